@@ -1,0 +1,498 @@
+"""The scheduler side of the cache: match -> plan -> commit -> finish.
+
+The manager owns one block pool per tier and the prefix index. It decides; it
+never moves bytes. Its decisions come out as data — a ``Plan`` holding
+``TransferOp``s — which the runtime turns into transfers in either world.
+
+Ordering between transfers is the runtime's job: an op lists the block ids it
+reads and writes, and the runtime makes a write to a block wait for in-flight
+reads of it (and the other way round). That is what lets a device block whose
+KV is being copied out be handed at once to the plan that evicted it: the
+plan's ops come after the copy-out in the plan, and the runtime will not
+overwrite the block before the copy-out has read it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvflow.blocks import BlockPool
+from kvflow.errors import ConfigError, NotEnoughBlocks, PoolExhausted
+from kvflow.policy import PrefetchPolicy, WritePolicy
+from kvflow.radix import ABSENT, COMPUTING, FILLING, READY, Node, PrefixIndex, Tier
+
+
+class OpKind(str, Enum):
+    SWAP_IN = "swap_in"      # host (or storage) -> device, for a request about to run
+    EVICT = "evict"          # device -> host copy-out of an evicted block (write_back)
+    BACKUP = "backup"        # a copy down one tier of a block that stays (write_through)
+    PREFETCH = "prefetch"    # storage -> host, ahead of a swap-in
+    WRITE = "write"          # host -> storage copy-out of a block evicted from host
+
+
+@dataclass(eq=False)
+class TransferOp:
+    """Copy ``src_ids`` on ``src_tier`` to ``dst_ids`` on ``dst_tier``, block by block."""
+
+    op_id: int
+    kind: OpKind
+    src_tier: Tier
+    dst_tier: Tier
+    src_ids: list[int]
+    dst_ids: list[int]
+    keys: list[Hashable]
+    nodes: list[Node] = field(repr=False, default_factory=list)
+    plan: Plan | None = field(repr=False, default=None)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.src_ids)
+
+
+@dataclass(eq=False)
+class Plan:
+    """What one request needs before and while it computes.
+
+    ``device_ids[i]`` holds prompt block i; blocks ``[0, num_cached)`` come
+    from the cache (some through ``ops``, some through loads of other plans in
+    ``shared``), the rest are computed by the request (``computing`` nodes,
+    plus ``private`` blocks whose key another request is computing right now).
+    """
+
+    request_id: Hashable
+    keys: tuple[Hashable, ...]
+    nodes: list[Node]
+    device_ids: list[int]
+    source_tiers: list[int]
+    ops: list[TransferOp]
+    shared: list[TransferOp]
+    computing: list[Node]
+    private: list[int]
+    extra_ids: list[int]
+    committed: bool = False
+    finished: bool = False
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.nodes)
+
+    def hits(self, tier: Tier) -> int:
+        return sum(1 for t in self.source_tiers if t == tier)
+
+
+@dataclass
+class ManagerStats:
+    plans: int = 0
+    prompt_blocks: int = 0
+    hits: list[int] = field(default_factory=lambda: [0, 0, 0])
+    evictions: list[int] = field(default_factory=lambda: [0, 0, 0])
+    copy_outs: list[int] = field(default_factory=lambda: [0, 0, 0])
+    backups: list[int] = field(default_factory=lambda: [0, 0, 0])
+    failed_ops: int = 0
+    recomputed_blocks: int = 0
+    rejected_plans: int = 0
+
+
+@dataclass(frozen=True)
+class Capacities:
+    """Blocks per tier; 0 means the tier is absent."""
+
+    device: int
+    host: int = 0
+    storage: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("device", "host", "storage"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"capacity of tier {name!r} must be an integer >= 0, got {v!r}")
+        if self.device == 0:
+            raise ConfigError("the device tier needs a capacity > 0")
+
+    def __getitem__(self, tier: int) -> int:
+        return (self.device, self.host, self.storage)[tier]
+
+
+class CacheManager:
+    """Tiers, their pools, the prefix index and the policies, behind four verbs."""
+
+    def __init__(
+        self,
+        capacities: Capacities,
+        eviction: str = "lru",
+        write_policy: WritePolicy | str = "write_through",
+        prefetch_policy: PrefetchPolicy | str = "best_effort",
+    ) -> None:
+        self.capacities = capacities
+        self.pools = [
+            BlockPool(capacities[t], Tier(t).name.lower()) for t in (0, 1, 2)
+        ]
+        self.index = PrefixIndex([capacities[t] for t in (0, 1, 2)], eviction)
+        self.write_policy = (
+            WritePolicy(write_policy) if isinstance(write_policy, str) else write_policy
+        )
+        self.prefetch_policy = (
+            PrefetchPolicy(prefetch_policy) if isinstance(prefetch_policy, str) else prefetch_policy
+        )
+        self.stats = ManagerStats()
+        self._op_ids = itertools.count()
+        self.inflight: dict[int, TransferOp] = {}
+        # Copy-outs started by a plan that then failed; the runtime runs them.
+        self.detached_ops: list[TransferOp] = []
+
+    def has_tier(self, tier: int) -> bool:
+        return self.pools[tier].capacity > 0
+
+    # ------------------------------------------------------------------ match
+    def match(self, keys: Sequence[Hashable]) -> list[Node]:
+        """Nodes of the longest cached prefix of ``keys`` (any tier); changes nothing."""
+        return self.index.match(keys)
+
+    def cached_tiers(self, keys: Sequence[Hashable]) -> list[int]:
+        """For each block of the cached prefix, the fastest tier holding it."""
+        return [n.best_tier() for n in self.index.match(keys)]
+
+    # ------------------------------------------------------------------- plan
+    def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0) -> Plan:
+        """Reserve device blocks for a request and say which copies it needs.
+
+        Raises ``NotEnoughBlocks`` (leaving every pool and reference as it was)
+        when the device cannot hold the request even after evicting every
+        unreferenced block.
+        """
+        keys = tuple(keys)
+        index = self.index
+        matched = index.match(keys)
+        for n in matched:
+            index.ref(n)
+        tiers = [n.best_tier() for n in matched]
+        # Storage hits need a host block to land in (where there is a host tier);
+        # those that cannot get one are recomputed instead.
+        if self.has_tier(Tier.HOST) and Tier.STORAGE in tiers:
+            first = tiers.index(Tier.STORAGE)
+            wanted = tiers.count(Tier.STORAGE)
+            if self._room(Tier.HOST) < wanted:
+                for n in matched[first:]:
+                    index.unref(n)
+                del matched[first:], tiers[first:]
+        n_new = len(keys) - len(matched)
+        needed = sum(1 for t in tiers if t != Tier.DEVICE) + n_new + extra_blocks
+        if needed > self._room(Tier.DEVICE):
+            available = self._room(Tier.DEVICE)
+            for n in matched:
+                index.unref(n)
+            self.stats.rejected_plans += 1
+            raise NotEnoughBlocks(needed, available)
+
+        ops: list[TransferOp] = []
+        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
+        # Prefetch storage -> host first: device evictions below may need host room too.
+        host_ids: list[int] = []
+        if self.has_tier(Tier.HOST) and Tier.STORAGE in tiers:
+            host_ids = self._make_room(Tier.HOST, tiers.count(Tier.STORAGE), ops)
+        try:
+            dev_ids = self._make_room(Tier.DEVICE, needed, ops)
+        except PoolExhausted as e:
+            # Evictions fell short (blocks pinned by closure): undo what is ours;
+            # copy-outs already started stay valid and are handed out separately.
+            self.pools[Tier.HOST].free(host_ids)
+            for n in matched:
+                index.unref(n)
+            self.detached_ops.extend(ops)
+            self.stats.rejected_plans += 1
+            raise NotEnoughBlocks(needed, e.free) from None
+
+        swap_src: dict[int, list[Node]] = {}
+        prefetched: list[Node] = []
+        device_ids = plan.device_ids
+        shared = plan.shared
+        for n, t in zip(matched, tiers, strict=True):
+            n.hits += 1
+            if t == Tier.DEVICE:
+                device_ids.append(n.loc[0])
+                op = n.inflight[0]
+                if n.state[0] == FILLING and op is not None and op not in shared:
+                    shared.append(op)  # type: ignore[arg-type]
+                continue
+            d = dev_ids.pop()
+            device_ids.append(d)
+            index.set_copy(n, Tier.DEVICE, d, FILLING)
+            if t == Tier.STORAGE and host_ids:
+                index.set_copy(n, Tier.HOST, host_ids.pop(), FILLING)
+                prefetched.append(n)
+                t = Tier.HOST
+            swap_src.setdefault(t, []).append(n)
+        if prefetched:
+            self._op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, prefetched, ops, plan)
+        for t, nodes in swap_src.items():
+            self._op(OpKind.SWAP_IN, Tier(t), Tier.DEVICE, nodes, ops, plan)
+            if t == Tier.HOST:
+                # A host copy being filled by an op of another plan: ours reads after it.
+                for n in nodes:
+                    op = n.inflight[1]
+                    if op is not None and op.plan is not plan and op not in shared:
+                        shared.append(op)  # type: ignore[arg-type]
+
+        # New blocks: indexed as COMPUTING unless someone else is computing that key.
+        parent = matched[-1] if matched else None
+        private = False
+        for i in range(len(matched), len(keys)):
+            d = dev_ids.pop()
+            device_ids.append(d)
+            if not private and keys[i] not in index.nodes:
+                node = index.insert(keys[i], parent)
+                index.set_copy(node, Tier.DEVICE, d, COMPUTING)
+                index.ref(node)
+                plan.nodes.append(node)
+                plan.computing.append(node)
+                parent = node
+            else:
+                private = True
+                plan.private.append(i)
+        plan.extra_ids = dev_ids[:extra_blocks] if extra_blocks else []
+        del dev_ids[:extra_blocks]
+        assert not dev_ids, dev_ids
+
+        st = self.stats
+        st.plans += 1
+        st.prompt_blocks += len(keys)
+        for t in tiers:
+            st.hits[t] += 1
+        return plan
+
+    def _room(self, tier: int) -> int:
+        """Blocks a tier could hand out now: free ones plus unreferenced ready ones."""
+        return self.pools[tier].num_free + self.index.unreferenced[tier]
+
+    def _op(self, kind: OpKind, src: Tier, dst: Tier, nodes: list[Node],
+            ops: list[TransferOp], plan: Plan | None) -> TransferOp:
+        op = TransferOp(next(self._op_ids), kind, src, dst,
+                        [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
+                        [n.key for n in nodes], nodes, plan)
+        for n in nodes:
+            n.inflight[dst] = op
+        self.inflight[op.op_id] = op
+        ops.append(op)
+        return op
+
+    def _make_room(self, tier: Tier, n: int, ops: list[TransferOp]) -> list[int]:
+        """Allocate ``n`` blocks on ``tier``, evicting per policy if short.
+
+        Copy-outs that evictions start are appended to ``ops`` *before* any op
+        that will overwrite the freed blocks.
+        """
+        pool = self.pools[tier]
+        short = n - pool.num_free
+        if short > 0:
+            self._evict(tier, short, ops)
+        return pool.allocate(n)
+
+    def _evict(self, tier: Tier, count: int, ops: list[TransferOp]) -> int:
+        """Free up to ``count`` blocks of ``tier``; returns how many were freed.
+
+        A victim with no copy elsewhere is copied one tier down under
+        write_back (where that tier has room), else dropped — and only leaves
+        are ever dropped, which the index's victim order guarantees.
+        """
+        index = self.index
+        pool = self.pools[tier]
+        lower = Tier(tier + 1) if tier < Tier.STORAGE and self.has_tier(tier + 1) else None
+        copy_out = lower is not None and self.write_policy.copy_on_evict
+        freed = 0
+        copies: list[Node] = []
+        src_ids: list[int] = []
+        while freed < count:
+            progress = False
+            for node in index.victims(tier):
+                st = node.state
+                has_other = any(t != tier and st[t] in (READY, FILLING) for t in (0, 1, 2))
+                block_id = index.drop_copy(node, tier) if has_other else node.loc[tier]
+                if not has_other:
+                    if copy_out and self._room(lower) > 0:  # type: ignore[arg-type]
+                        (lid,) = self._make_room(lower, 1, ops)  # type: ignore[arg-type]
+                        index.set_copy(node, lower, lid, FILLING)  # type: ignore[arg-type]
+                        copies.append(node)
+                        src_ids.append(block_id)
+                        self.stats.copy_outs[tier] += 1
+                    index.drop_copy(node, tier)
+                pool.free([block_id])
+                self.stats.evictions[tier] += 1
+                freed += 1
+                progress = True
+                if freed >= count:
+                    break
+            if not progress:
+                break
+        if copies:
+            kind = OpKind.EVICT if tier == Tier.DEVICE else OpKind.WRITE
+            op = TransferOp(next(self._op_ids), kind, tier, lower, src_ids,  # type: ignore[arg-type]
+                            [n.loc[lower] for n in copies], [n.key for n in copies], copies)
+            for n in copies:
+                n.inflight[lower] = op  # type: ignore[index]
+            self.inflight[op.op_id] = op
+            ops.append(op)
+        return freed
+
+    # ----------------------------------------------------------------- commit
+    def commit(self, plan: Plan) -> None:
+        """The request's forward pass has written its new blocks: make them matchable."""
+        if plan.committed:
+            return
+        for node in plan.computing:
+            self.index.mark_ready(node, Tier.DEVICE)
+        plan.computing.clear()
+        plan.committed = True
+
+    # ----------------------------------------------------------------- finish
+    def finish(self, plan: Plan) -> list[TransferOp]:
+        """Release the request's blocks; returns the backups the write policy asks for.
+
+        An uncommitted plan (an aborted request) leaves nothing of its own
+        behind: its computing nodes and private blocks are freed.
+        """
+        if plan.finished:
+            raise ValueError(f"plan of request {plan.request_id!r} finished twice")
+        plan.finished = True
+        dev = self.pools[Tier.DEVICE]
+        if plan.committed:
+            self._adopt_private(plan)
+        else:
+            for node in reversed(plan.computing):
+                plan.nodes.remove(node)
+                self._release(node)
+            plan.computing.clear()
+            dev.free([plan.device_ids[i] for i in plan.private])
+        plan.private.clear()
+        if plan.extra_ids:
+            dev.free(plan.extra_ids)
+            plan.extra_ids = []
+        for node in reversed(plan.nodes):
+            self._release(node)
+        ops: list[TransferOp] = []
+        if self.has_tier(Tier.HOST) and plan.committed:
+            wp = self.write_policy
+            todo = [n for n in plan.nodes
+                    if n.state[Tier.HOST] == ABSENT and n.state[Tier.DEVICE] == READY
+                    and wp.backup_on_insert(n.hits)]
+            self._backup(Tier.DEVICE, todo, ops)
+        return ops
+
+    def _release(self, node: Node) -> None:
+        """Drop one reference; a block nobody will compute any more goes."""
+        index = self.index
+        index.unref(node)
+        if node.state[Tier.DEVICE] == COMPUTING:
+            if node.ref == 0:
+                self._drop_with_subtree(node, Tier.DEVICE)
+        else:
+            index.touch(node)
+
+    def _adopt_private(self, plan: Plan) -> None:
+        """Index private blocks whose key is still unknown and whose parent is cached."""
+        index = self.index
+        dev = self.pools[Tier.DEVICE]
+        keys = plan.keys
+        for i in plan.private:
+            key = keys[i]
+            parent = index.get(keys[i - 1]) if i else None
+            if key in index.nodes or (i and (parent is None or not parent.matchable)):
+                dev.free([plan.device_ids[i]])
+                continue
+            node = index.insert(key, parent)
+            index.set_copy(node, Tier.DEVICE, plan.device_ids[i], READY)
+            index.ref(node)
+            plan.nodes.append(node)
+
+    def _backup(self, src: Tier, nodes: list[Node], ops: list[TransferOp]) -> None:
+        """Copy ``nodes`` one tier down where it has room (never evicting a referenced block)."""
+        if not nodes:
+            return
+        dst = Tier(src + 1)
+        n = min(len(nodes), self._room(dst))
+        if n <= 0:
+            return
+        nodes = nodes[:n]
+        ids = self._make_room(dst, n, ops)
+        for node, i in zip(nodes, ids, strict=True):
+            self.index.set_copy(node, dst, i, FILLING)
+        self.stats.backups[src] += n
+        self._op(OpKind.BACKUP, src, dst, nodes, ops, None)
+
+    # --------------------------------------------------------------- complete
+    def complete(self, op: TransferOp, ok: bool = True) -> list[TransferOp]:
+        """A transfer ended. Returns follow-up ops (backups one tier further down).
+
+        On failure nothing is left pointing at bytes that were not written:
+        a device copy some request is waiting for becomes that request's to
+        recompute; any other copy being filled is dropped.
+        """
+        if self.inflight.pop(op.op_id, None) is None:
+            raise ValueError(f"op {op.op_id} is not in flight")
+        index = self.index
+        dst = op.dst_tier
+        follow: list[TransferOp] = []
+        if ok:
+            landed = []
+            for n in op.nodes:
+                if n.state[dst] == FILLING and n.inflight[dst] is op:
+                    index.mark_ready(n, dst)
+                    landed.append(n)
+            if dst == Tier.HOST and self.has_tier(Tier.STORAGE) and op.kind in (
+                OpKind.BACKUP, OpKind.EVICT
+            ):
+                wp = self.write_policy
+                todo = [n for n in landed if n.state[Tier.STORAGE] == ABSENT
+                        and (op.kind == OpKind.BACKUP and wp.backup_on_insert(n.hits))]
+                self._backup(Tier.HOST, todo, follow)
+            return follow
+        self.stats.failed_ops += 1
+        for n in op.nodes:
+            if n.state[dst] != FILLING or n.inflight[dst] is not op:
+                continue
+            if dst == Tier.DEVICE and op.plan is not None and n.ref > 0:
+                n.state[dst] = COMPUTING
+                n.inflight[dst] = None
+                op.plan.computing.append(n)
+                self.stats.recomputed_blocks += 1
+                continue
+            self._drop_with_subtree(n, dst)
+        return follow
+
+    def _drop_with_subtree(self, node: Node, tier: Tier) -> None:
+        """Drop a copy; if it was the node's last, unreferenced descendants go too."""
+        index = self.index
+        if node.children and not any(
+            t != tier and node.state[t] in (READY, FILLING) for t in (0, 1, 2)
+        ):
+            for d in index.descendants(node):
+                if d.ref:
+                    continue
+                for t in (0, 1, 2):
+                    if d.state[t] != ABSENT and d.inflight[t] is None:
+                        self.pools[t].free([index.drop_copy(d, t)])
+        self.pools[tier].free([index.drop_copy(node, tier)])
+
+    # ------------------------------------------------------------- invariants
+    def check_invariants(self) -> None:
+        """Assert every invariant of DESIGN.md; for tests and debugging."""
+        index = self.index
+        owners: list[dict[int, object]] = [{}, {}, {}]
+        for node in index:
+            assert node.ref >= 0, node
+            assert any(s != ABSENT for s in node.state), f"copyless node kept: {node}"
+            if node.matchable and node.parent is not None:
+                assert node.parent.matchable or node.parent.state[0] == COMPUTING, (
+                    f"prefix closure broken: {node} under {node.parent}")
+            for t in (0, 1, 2):
+                if node.state[t] != ABSENT:
+                    b = node.loc[t]
+                    assert self.pools[t].is_used(b), f"{node} holds free block {t}:{b}"
+                    assert b not in owners[t], f"block {t}:{b} owned twice"
+                    owners[t][b] = node
+        for t in (0, 1, 2):
+            ready_unref = sum(1 for n in index if n.state[t] == READY and n.ref == 0)
+            assert index.unreferenced[t] == ready_unref, (t, index.unreferenced[t], ready_unref)
+            assert len(index.policies[t]) == sum(1 for n in index if n.state[t] == READY)

@@ -1,0 +1,271 @@
+"""Eviction, write and prefetch policies.
+
+An eviction policy only *orders* the blocks resident on one tier; the prefix
+index decides which of them may go (unreferenced, leaf-first). Keeping the two
+apart lets every policy obey the same invariants without knowing about them.
+
+Write and prefetch policies are plain data read by the manager and runtime.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvflow.errors import ConfigError
+
+
+class EvictionPolicy(Protocol):
+    """Order of eviction among the blocks resident on one tier.
+
+    Nodes are opaque hashable objects with ``hits`` and ``key`` attributes.
+    """
+
+    def insert(self, node: Any) -> None: ...
+    def access(self, node: Any) -> None: ...
+    def remove(self, node: Any) -> None: ...
+    def candidates(self) -> Iterator[Any]: ...
+    def __len__(self) -> int: ...
+
+
+def _scan(order: Callable[[], Iterator[Any]], present: Callable[[Any], bool]) -> Iterator[Any]:
+    """Yield nodes in policy order while the caller removes the ones it takes.
+
+    The order is re-read after every yield, so removals never invalidate the
+    iteration; declined nodes (still present) stay in front and are skipped.
+    """
+    declined = 0
+    while True:
+        it = order()
+        for _ in range(declined):
+            if next(it, None) is None:
+                return
+        node = next(it, None)
+        if node is None:
+            return
+        yield node
+        if present(node):
+            declined += 1
+
+
+class LRU:
+    """Least recently used first. Callers touch a request's blocks tail-first,
+    so a parent is always more recent than its children and the LRU block is
+    always a leaf."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._order: OrderedDict[Any, None] = OrderedDict()
+
+    def insert(self, node: Any) -> None:
+        self._order[node] = None
+
+    def access(self, node: Any) -> None:
+        self._order.move_to_end(node)
+
+    def remove(self, node: Any) -> None:
+        del self._order[node]
+
+    def candidates(self) -> Iterator[Any]:
+        return _scan(lambda: iter(self._order), self._order.__contains__)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+
+class LFU:
+    """Fewest hits first, ties by least recent. A parent has at least its
+    children's hits, so the first candidate is a leaf here too."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._buckets: dict[int, OrderedDict[Any, None]] = {}
+        self._freq: dict[Any, int] = {}
+
+    def insert(self, node: Any) -> None:
+        f = node.hits
+        self._freq[node] = f
+        self._buckets.setdefault(f, OrderedDict())[node] = None
+
+    def _unlink(self, node: Any) -> None:
+        f = self._freq.pop(node)
+        bucket = self._buckets[f]
+        del bucket[node]
+        if not bucket:
+            del self._buckets[f]
+
+    def access(self, node: Any) -> None:
+        self._unlink(node)
+        self.insert(node)
+
+    def remove(self, node: Any) -> None:
+        self._unlink(node)
+
+    def _order(self) -> Iterator[Any]:
+        for f in sorted(self._buckets):
+            yield from self._buckets[f]
+
+    def candidates(self) -> Iterator[Any]:
+        return _scan(self._order, self._freq.__contains__)
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+
+class S3FIFO:
+    """S3-FIFO (Yang et al., SOSP'23): a small probationary FIFO (10% of the
+    tier), a main FIFO with lazy promotion, and a ghost FIFO of recently
+    evicted keys that sends returning blocks straight to main.
+
+    ``candidates`` performs the algorithm's queue moves as it scans; a
+    candidate the index declines is rotated to its queue's tail, and once the
+    scan meets a declined node again the rest are offered in plain order.
+    """
+
+    SMALL_FRACTION = 0.1
+    MAX_FREQ = 3
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self._small: OrderedDict[Any, None] = OrderedDict()
+        self._main: OrderedDict[Any, None] = OrderedDict()
+        self._ghost: OrderedDict[Hashable, None] = OrderedDict()
+        self._freq: dict[Any, int] = {}
+
+    def insert(self, node: Any) -> None:
+        self._freq[node] = 0
+        if node.key in self._ghost:
+            del self._ghost[node.key]
+            self._main[node] = None
+        else:
+            self._small[node] = None
+
+    def access(self, node: Any) -> None:
+        self._freq[node] = min(self._freq[node] + 1, self.MAX_FREQ)
+
+    def remove(self, node: Any) -> None:
+        del self._freq[node]
+        if node in self._small:
+            del self._small[node]
+            self._ghost[node.key] = None
+            while len(self._ghost) > self.capacity:
+                self._ghost.popitem(last=False)
+        else:
+            del self._main[node]
+
+    def candidates(self) -> Iterator[Any]:
+        offered: set[Any] = set()
+        while self._small or self._main:
+            use_small = bool(self._small) and (
+                len(self._small) >= self.SMALL_FRACTION * self.capacity or not self._main
+            )
+            queue = self._small if use_small else self._main
+            node = next(iter(queue))
+            if node in offered:
+                break
+            freq = self._freq[node]
+            if freq > 0:  # promote from small, or give a main block another round
+                del queue[node]
+                self._freq[node] = 0 if use_small else freq - 1
+                self._main[node] = None
+                continue
+            offered.add(node)
+            yield node
+            if node in self._freq:
+                queue.move_to_end(node)
+        for node in [*self._small, *self._main]:
+            if node not in offered:
+                offered.add(node)
+                yield node
+
+    def __len__(self) -> int:
+        return len(self._freq)
+
+
+EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
+    "lru": LRU,
+    "lfu": LFU,
+    "s3fifo": S3FIFO,
+}
+
+
+def make_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
+    """The eviction policy called ``name`` for a tier of ``capacity`` blocks."""
+    try:
+        factory = EVICTION_POLICIES[name.lower()]
+    except KeyError:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; valid: {', '.join(EVICTION_POLICIES)}"
+        ) from None
+    return factory(capacity)
+
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
+@dataclass(frozen=True)
+class WritePolicy:
+    """When a block gets a copy on the next tier down.
+
+    * ``write_through``: as soon as it is inserted (finish of its request);
+    * ``write_through_selective``: once it has been hit ``threshold`` times;
+    * ``write_back``: only when it is evicted from the tier above.
+    """
+
+    name: str = "write_through"
+    threshold: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in WRITE_POLICIES:
+            raise ConfigError(
+                f"unknown write policy {self.name!r}; valid: {', '.join(WRITE_POLICIES)}"
+            )
+        if self.threshold < 0:
+            raise ConfigError(f"write policy threshold must be >= 0, got {self.threshold}")
+
+    def backup_on_insert(self, hits: int) -> bool:
+        if self.name == "write_through":
+            return True
+        if self.name == "write_through_selective":
+            return hits >= self.threshold
+        return False
+
+    @property
+    def copy_on_evict(self) -> bool:
+        return self.name == "write_back"
+
+
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How long a request waits for its storage -> host prefetch.
+
+    * ``best_effort``: it uses what has arrived when it is scheduled;
+    * ``wait_complete``: it waits for the whole prefetch;
+    * ``timeout``: it waits until ``base_s + per_1k_tokens_s * tokens/1000``,
+      capped at ``max_s``, then recomputes what is missing.
+    """
+
+    name: str = "best_effort"
+    base_s: float = 0.005
+    per_1k_tokens_s: float = 0.002
+    max_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.name not in PREFETCH_POLICIES:
+            raise ConfigError(
+                f"unknown prefetch policy {self.name!r}; valid: {', '.join(PREFETCH_POLICIES)}"
+            )
+        for f in ("base_s", "per_1k_tokens_s", "max_s"):
+            if getattr(self, f) < 0:
+                raise ConfigError(f"prefetch policy {f} must be >= 0, got {getattr(self, f)}")
+
+    def deadline_s(self, tokens: int) -> float | None:
+        """Seconds a request of ``tokens`` prompt tokens may wait; None = no limit."""
+        if self.name == "wait_complete":
+            return None
+        if self.name == "best_effort":
+            return 0.0
+        return min(self.base_s + self.per_1k_tokens_s * tokens / 1000.0, self.max_s)
