@@ -48,9 +48,7 @@ class BlockChainer:
     def chain_tokens(self, token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
         """Ids for a prompt given as tokens, cut into ``block_tokens`` blocks (last partial)."""
         toks = tuple(token_ids)
-        return self.chain(
-            [toks[i : i + block_tokens] for i in range(0, len(toks), block_tokens)]
-        )
+        return self.chain([toks[i : i + block_tokens] for i in range(0, len(toks), block_tokens)])
 
     def chain_segments(
         self, segments: Sequence[tuple[int, int]], block_tokens: int
