@@ -22,7 +22,17 @@ from enum import Enum
 from kvflow.blocks import BlockPool
 from kvflow.errors import ConfigError, NotEnoughBlocks, PoolExhausted
 from kvflow.policy import PrefetchPolicy, WritePolicy
-from kvflow.radix import ABSENT, COMPUTING, FILLING, READY, Node, PrefixIndex, Tier
+from kvflow.radix import (
+    ABSENT,
+    COMPUTING,
+    FILLING,
+    READY,
+    Node,
+    PrefixIndex,
+    Tier,
+    has_other_copy,
+    set_inflight,
+)
 
 
 class OpKind(str, Enum):
@@ -166,8 +176,9 @@ class CacheManager:
         keys = tuple(keys)
         index = self.index
         matched = index.match(keys)
+        ref = index.ref
         for n in matched:
-            index.ref(n)
+            ref(n)
         tiers = [n.best_tier() for n in matched]
         # Storage hits need a host block to land in (where there is a host tier);
         # those that cannot get one are recomputed instead.
@@ -237,21 +248,28 @@ class CacheManager:
                         shared.append(op)  # type: ignore[arg-type]
 
         # New blocks: indexed as COMPUTING unless someone else is computing that key.
+        # (Inlined index.insert + set_copy + ref: this loop runs for every new block.)
         parent = matched[-1] if matched else None
+        nodes = index.nodes
+        plan_nodes = plan.nodes
+        computing = plan.computing
         private = False
         for i in range(len(matched), len(keys)):
             d = dev_ids.pop()
             device_ids.append(d)
-            if not private and keys[i] not in index.nodes:
-                node = index.insert(keys[i], parent)
-                index.set_copy(node, Tier.DEVICE, d, COMPUTING)
-                index.ref(node)
-                plan.nodes.append(node)
-                plan.computing.append(node)
-                parent = node
-            else:
+            key = keys[i]
+            if private or key in nodes:  # someone else is computing it: ours stay private
                 private = True
                 plan.private.append(i)
+                continue
+            node = Node(key, parent, d, COMPUTING)
+            node.ref = 1
+            if parent is not None:
+                parent.children += 1
+            nodes[key] = node
+            plan_nodes.append(node)
+            computing.append(node)
+            parent = node
         plan.extra_ids = dev_ids[:extra_blocks] if extra_blocks else []
         del dev_ids[:extra_blocks]
         assert not dev_ids, dev_ids
@@ -259,8 +277,10 @@ class CacheManager:
         st = self.stats
         st.plans += 1
         st.prompt_blocks += len(keys)
-        for t in tiers:
-            st.hits[t] += 1
+        if tiers:
+            hits = st.hits
+            for t in (0, 1, 2):
+                hits[t] += tiers.count(t)
         return plan
 
     def _room(self, tier: int) -> int:
@@ -273,7 +293,7 @@ class CacheManager:
                         [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
                         [n.key for n in nodes], nodes, plan)
         for n in nodes:
-            n.inflight[dst] = op
+            set_inflight(n, dst, op)
         self.inflight[op.op_id] = op
         ops.append(op)
         return op
@@ -304,34 +324,47 @@ class CacheManager:
         freed = 0
         copies: list[Node] = []
         src_ids: list[int] = []
-        while freed < count:
+        freed_ids: list[int] = []
+        if not copy_out:
+            # Fast path (no copy-outs): take the policy's O(1) first candidate
+            # while it is droppable; the general loop below handles the rest.
+            first = index.policies[tier].first
+            drop = index.drop_copy
+            while len(freed_ids) < count:
+                node = first()
+                if node is None or node.ref or node.state[tier] != READY or (
+                    node.children and not has_other_copy(node, tier)
+                ):
+                    break
+                freed_ids.append(drop(node, tier))
+        while len(freed_ids) < count:
             progress = False
-            for node in index.victims(tier):
-                st = node.state
-                has_other = any(t != tier and st[t] in (READY, FILLING) for t in (0, 1, 2))
-                block_id = index.drop_copy(node, tier) if has_other else node.loc[tier]
-                if not has_other:
-                    if copy_out and self._room(lower) > 0:  # type: ignore[arg-type]
-                        (lid,) = self._make_room(lower, 1, ops)  # type: ignore[arg-type]
-                        index.set_copy(node, lower, lid, FILLING)  # type: ignore[arg-type]
-                        copies.append(node)
-                        src_ids.append(block_id)
-                        self.stats.copy_outs[tier] += 1
-                    index.drop_copy(node, tier)
-                pool.free([block_id])
-                self.stats.evictions[tier] += 1
-                freed += 1
+            copy_down = copy_out and self._room(lower) > 0  # type: ignore[arg-type]
+            for node in index.victims(tier, copy_down):
+                other = has_other_copy(node, tier)
+                if not other and copy_down and self._room(lower) > 0:  # type: ignore[arg-type]
+                    (lid,) = self._make_room(lower, 1, ops)  # type: ignore[arg-type]
+                    index.set_copy(node, lower, lid, FILLING)  # type: ignore[arg-type]
+                    copies.append(node)
+                    src_ids.append(node.loc[tier])
+                elif node.children and not other:
+                    continue  # lower tier filled up meanwhile: an inner node must stay
+                freed_ids.append(index.drop_copy(node, tier))
                 progress = True
-                if freed >= count:
+                if len(freed_ids) >= count:
                     break
             if not progress:
                 break
+        pool.free(freed_ids)
+        freed = len(freed_ids)
+        self.stats.evictions[tier] += freed
+        self.stats.copy_outs[tier] += len(copies)
         if copies:
             kind = OpKind.EVICT if tier == Tier.DEVICE else OpKind.WRITE
             op = TransferOp(next(self._op_ids), kind, tier, lower, src_ids,  # type: ignore[arg-type]
                             [n.loc[lower] for n in copies], [n.key for n in copies], copies)
             for n in copies:
-                n.inflight[lower] = op  # type: ignore[index]
+                set_inflight(n, lower, op)  # type: ignore[arg-type]
             self.inflight[op.op_id] = op
             ops.append(op)
         return freed
@@ -341,8 +374,10 @@ class CacheManager:
         """The request's forward pass has written its new blocks: make them matchable."""
         if plan.committed:
             return
-        for node in plan.computing:
-            self.index.mark_ready(node, Tier.DEVICE)
+        insert = self.index.policies[Tier.DEVICE].insert
+        for node in plan.computing:  # (index.mark_ready, inlined: every new block passes here)
+            node.state[0] = READY
+            insert(node)  # referenced, so not counted as unreferenced yet
         plan.computing.clear()
         plan.committed = True
 
@@ -369,8 +404,25 @@ class CacheManager:
         if plan.extra_ids:
             dev.free(plan.extra_ids)
             plan.extra_ids = []
-        for node in reversed(plan.nodes):
-            self._release(node)
+        if plan.committed:
+            # (index.unref, inlined: every block of every request passes here.)
+            index = self.index
+            unreferenced = index.unreferenced
+            policies = index.policies
+            for node in reversed(plan.nodes):
+                r = node.ref - 1
+                node.ref = r
+                if r == 0:
+                    st = node.state
+                    for t in (0, 1, 2):
+                        if st[t] == READY:
+                            unreferenced[t] += 1
+                            policies[t].unref(node)
+                elif r < 0:
+                    raise AssertionError(f"ref count of {node!r} went negative")
+        else:
+            for node in reversed(plan.nodes):
+                self._release(node)
         ops: list[TransferOp] = []
         if self.has_tier(Tier.HOST) and plan.committed:
             wp = self.write_policy
@@ -382,13 +434,9 @@ class CacheManager:
 
     def _release(self, node: Node) -> None:
         """Drop one reference; a block nobody will compute any more goes."""
-        index = self.index
-        index.unref(node)
-        if node.state[Tier.DEVICE] == COMPUTING:
-            if node.ref == 0:
-                self._drop_with_subtree(node, Tier.DEVICE)
-        else:
-            index.touch(node)
+        self.index.unref(node)
+        if node.state[Tier.DEVICE] == COMPUTING and node.ref == 0:
+            self._drop_with_subtree(node, Tier.DEVICE)
 
     def _adopt_private(self, plan: Plan) -> None:
         """Index private blocks whose key is still unknown and whose parent is cached."""
@@ -454,7 +502,7 @@ class CacheManager:
                 continue
             if dst == Tier.DEVICE and op.plan is not None and n.ref > 0:
                 n.state[dst] = COMPUTING
-                n.inflight[dst] = None
+                set_inflight(n, dst, None)
                 op.plan.computing.append(n)
                 self.stats.recomputed_blocks += 1
                 continue
@@ -474,6 +522,26 @@ class CacheManager:
                     if d.state[t] != ABSENT and d.inflight[t] is None:
                         self.pools[t].free([index.drop_copy(d, t)])
         self.pools[tier].free([index.drop_copy(node, tier)])
+
+    # ------------------------------------------------------------------ drain
+    def drop_all(self) -> int:
+        """Drop every unreferenced, settled copy on every tier (deepest first).
+
+        With no request running and no op in flight this empties every pool;
+        returns how many copies went.
+        """
+        index = self.index
+        dropped = 0
+        for node in sorted(index, key=lambda n: -n.depth):
+            if node.ref:
+                continue
+            for t in (0, 1, 2):
+                if node.state[t] == READY and node.key in index.nodes and (
+                    node.children == 0 or has_other_copy(node, t)
+                ):
+                    self.pools[t].free([index.drop_copy(node, t)])
+                    dropped += 1
+        return dropped
 
     # ------------------------------------------------------------- invariants
     def check_invariants(self) -> None:
@@ -495,4 +563,3 @@ class CacheManager:
         for t in (0, 1, 2):
             ready_unref = sum(1 for n in index if n.state[t] == READY and n.ref == 0)
             assert index.unreferenced[t] == ready_unref, (t, index.unreferenced[t], ready_unref)
-            assert len(index.policies[t]) == sum(1 for n in index if n.state[t] == READY)

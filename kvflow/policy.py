@@ -20,14 +20,19 @@ from kvflow.errors import ConfigError
 class EvictionPolicy(Protocol):
     """Order of eviction among the blocks resident on one tier.
 
-    Nodes are opaque hashable objects with ``hits`` and ``key`` attributes.
+    Nodes are opaque hashable objects with ``ref``, ``hits`` and ``key``
+    attributes. The index calls ``insert``/``remove`` when a tier's copy
+    becomes ready or goes, and ``ref``/``unref`` when a node's reference count
+    leaves or returns to zero (only for tiers where its copy is ready).
+    ``candidates`` may yield referenced nodes; the index skips them.
     """
 
     def insert(self, node: Any) -> None: ...
-    def access(self, node: Any) -> None: ...
     def remove(self, node: Any) -> None: ...
+    def ref(self, node: Any) -> None: ...
+    def unref(self, node: Any) -> None: ...
     def candidates(self) -> Iterator[Any]: ...
-    def __len__(self) -> int: ...
+    def first(self) -> Any | None: ...
 
 
 def _scan(order: Callable[[], Iterator[Any]], present: Callable[[Any], bool]) -> Iterator[Any]:
@@ -51,55 +56,67 @@ def _scan(order: Callable[[], Iterator[Any]], present: Callable[[Any], bool]) ->
 
 
 class LRU:
-    """Least recently used first. Callers touch a request's blocks tail-first,
-    so a parent is always more recent than its children and the LRU block is
-    always a leaf."""
+    """Least recently *released* first; referenced blocks are not in the order.
+
+    A request releases its blocks tail-first, so a parent is always released
+    after its children and the least recent block is a leaf: the front of the
+    order is the victim, with no scan.
+    """
 
     def __init__(self, capacity: int = 0) -> None:
         self._order: OrderedDict[Any, None] = OrderedDict()
 
     def insert(self, node: Any) -> None:
-        self._order[node] = None
-
-    def access(self, node: Any) -> None:
-        self._order.move_to_end(node)
+        if node.ref == 0:
+            self._order[node] = None
 
     def remove(self, node: Any) -> None:
+        self._order.pop(node, None)
+
+    def ref(self, node: Any) -> None:
         del self._order[node]
+
+    def unref(self, node: Any) -> None:
+        self._order[node] = None
 
     def candidates(self) -> Iterator[Any]:
         return _scan(lambda: iter(self._order), self._order.__contains__)
 
-    def __len__(self) -> int:
-        return len(self._order)
+    def first(self) -> Any | None:
+        """The first candidate, in O(1)."""
+        return next(iter(self._order), None)
 
 
 class LFU:
-    """Fewest hits first, ties by least recent. A parent has at least its
-    children's hits, so the first candidate is a leaf here too."""
+    """Fewest hits first, ties by least recently released. A parent has at
+    least its children's hits, so the first candidate is a leaf here too."""
 
     def __init__(self, capacity: int = 0) -> None:
         self._buckets: dict[int, OrderedDict[Any, None]] = {}
         self._freq: dict[Any, int] = {}
 
     def insert(self, node: Any) -> None:
+        if node.ref == 0:
+            self.unref(node)
+
+    def unref(self, node: Any) -> None:
         f = node.hits
         self._freq[node] = f
-        self._buckets.setdefault(f, OrderedDict())[node] = None
+        bucket = self._buckets.get(f)
+        if bucket is None:
+            bucket = self._buckets[f] = OrderedDict()
+        bucket[node] = None
 
-    def _unlink(self, node: Any) -> None:
-        f = self._freq.pop(node)
+    def remove(self, node: Any) -> None:
+        f = self._freq.pop(node, None)
+        if f is None:
+            return
         bucket = self._buckets[f]
         del bucket[node]
         if not bucket:
             del self._buckets[f]
 
-    def access(self, node: Any) -> None:
-        self._unlink(node)
-        self.insert(node)
-
-    def remove(self, node: Any) -> None:
-        self._unlink(node)
+    ref = remove
 
     def _order(self) -> Iterator[Any]:
         for f in sorted(self._buckets):
@@ -108,8 +125,11 @@ class LFU:
     def candidates(self) -> Iterator[Any]:
         return _scan(self._order, self._freq.__contains__)
 
-    def __len__(self) -> int:
-        return len(self._freq)
+    def first(self) -> Any | None:
+        """The first candidate, in O(distinct hit counts)."""
+        if not self._buckets:
+            return None
+        return next(iter(self._buckets[min(self._buckets)]))
 
 
 class S3FIFO:
@@ -117,9 +137,11 @@ class S3FIFO:
     tier), a main FIFO with lazy promotion, and a ghost FIFO of recently
     evicted keys that sends returning blocks straight to main.
 
-    ``candidates`` performs the algorithm's queue moves as it scans; a
-    candidate the index declines is rotated to its queue's tail, and once the
-    scan meets a declined node again the rest are offered in plain order.
+    Blocks keep their queue position while referenced (an access only bumps
+    their frequency, as the algorithm wants). ``candidates`` performs the
+    algorithm's queue moves as it scans; a candidate the index declines is
+    rotated to its queue's tail, and once the scan meets a declined node again
+    the rest are offered in plain order.
     """
 
     SMALL_FRACTION = 0.1
@@ -140,8 +162,11 @@ class S3FIFO:
         else:
             self._small[node] = None
 
-    def access(self, node: Any) -> None:
+    def ref(self, node: Any) -> None:
         self._freq[node] = min(self._freq[node] + 1, self.MAX_FREQ)
+
+    def unref(self, node: Any) -> None:
+        pass
 
     def remove(self, node: Any) -> None:
         del self._freq[node]
@@ -152,6 +177,10 @@ class S3FIFO:
                 self._ghost.popitem(last=False)
         else:
             del self._main[node]
+
+    def first(self) -> Any | None:
+        """No O(1) answer: eviction moves queues, so callers scan ``candidates``."""
+        return None
 
     def candidates(self) -> Iterator[Any]:
         offered: set[Any] = set()
@@ -177,9 +206,6 @@ class S3FIFO:
             if node not in offered:
                 offered.add(node)
                 yield node
-
-    def __len__(self) -> int:
-        return len(self._freq)
 
 
 EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {

@@ -34,6 +34,28 @@ TIERS = (Tier.DEVICE, Tier.HOST, Tier.STORAGE)
 
 ABSENT, READY, FILLING, COMPUTING = 0, 1, 2, 3
 STATE_NAMES = {ABSENT: "absent", READY: "ready", FILLING: "filling", COMPUTING: "computing"}
+#: States whose bytes a reader may use (FILLING: after the copy, ordered by the runtime).
+USABLE = (READY, FILLING)
+#: For each tier, the other two.
+OTHER_TIERS = ((1, 2), (0, 2), (0, 1))
+
+
+def has_other_copy(node: Node, tier: int) -> bool:
+    """Whether a tier other than ``tier`` holds a usable copy of the node."""
+    st = node.state
+    a, b = OTHER_TIERS[tier]
+    return st[a] in USABLE or st[b] in USABLE
+
+NO_INFLIGHT = (None, None, None)
+
+
+def set_inflight(node: Node, tier: int, op: object | None) -> None:
+    """Record (or clear, with None) the op filling ``tier``'s copy of ``node``."""
+    if node.inflight is NO_INFLIGHT:
+        if op is None:
+            return
+        node.inflight = [None, None, None]
+    node.inflight[tier] = op  # type: ignore[index]
 
 
 class Node:
@@ -42,15 +64,17 @@ class Node:
     __slots__ = ("children", "depth", "hits", "inflight", "key", "last_access", "loc", "parent",
                  "ref", "state")
 
-    def __init__(self, key: Hashable, parent: Node | None) -> None:
+    def __init__(self, key: Hashable, parent: Node | None, device_id: int = -1,
+                 device_state: int = ABSENT) -> None:
         self.key = key
         self.parent = parent
         self.depth = 0 if parent is None else parent.depth + 1
         self.children = 0
-        self.loc = [-1, -1, -1]
-        self.state = [ABSENT, ABSENT, ABSENT]
-        # The copy op writing each tier's block while FILLING (opaque to the index).
-        self.inflight: list[object | None] = [None, None, None]
+        self.loc = [device_id, -1, -1]
+        self.state = [device_state, ABSENT, ABSENT]
+        # The copy op writing each tier's block while FILLING (opaque to the
+        # index); a shared empty tuple until the first op, to keep nodes cheap.
+        self.inflight: list[object | None] | tuple[None, None, None] = NO_INFLIGHT
         self.ref = 0
         self.hits = 0
         self.last_access = 0
@@ -89,7 +113,8 @@ class PrefixIndex:
     """Nodes by key, residency per tier, and per-tier eviction order.
 
     The index never allocates or frees pool blocks itself: the manager owns the
-    pools and tells the index where a node's copies live.
+    pools and tells the index where a node's copies live. The per-node methods
+    here sit on the hot path of every request, hence the inlined loops.
     """
 
     def __init__(self, capacities: Sequence[int], eviction: str = "lru") -> None:
@@ -99,19 +124,22 @@ class PrefixIndex:
         ]
         # READY copies with ref == 0, per tier: what eviction could free at most.
         self.unreferenced = [0, 0, 0]
-        self.clock = 0
 
     # -- lookup -------------------------------------------------------------
     def get(self, key: Hashable) -> Node | None:
         return self.nodes.get(key)
 
     def match(self, keys: Sequence[Hashable]) -> list[Node]:
-        """Longest run of leading keys whose nodes are matchable on some tier."""
+        """Longest run of leading keys whose nodes are matchable on some tier.
+
+        Every indexed node has a copy somewhere, so it is matchable unless a
+        request is (re)computing it on the device.
+        """
         out: list[Node] = []
         nodes = self.nodes
         for k in keys:
             n = nodes.get(k)
-            if n is None or not n.matchable:
+            if n is None or n.state[0] == COMPUTING:
                 break
             out.append(n)
         return out
@@ -133,12 +161,12 @@ class PrefixIndex:
         self.nodes[key] = node
         return node
 
-    def _maybe_remove(self, node: Node) -> None:
-        if node.state == [ABSENT, ABSENT, ABSENT]:
-            assert node.children == 0 and node.ref == 0, node
-            del self.nodes[node.key]
-            if node.parent is not None:
-                node.parent.children -= 1
+    def _remove(self, node: Node) -> None:
+        """Forget a node left with no copy (only leaves ever are)."""
+        assert node.children == 0 and node.ref == 0, node
+        del self.nodes[node.key]
+        if node.parent is not None:
+            node.parent.children -= 1
 
     def descendants(self, node: Node) -> list[Node]:
         """All nodes below ``node``, deepest first. O(index): for failure paths only."""
@@ -165,7 +193,7 @@ class PrefixIndex:
     def mark_ready(self, node: Node, tier: int) -> None:
         assert node.state[tier] in (FILLING, COMPUTING), (node, tier)
         node.state[tier] = READY
-        node.inflight[tier] = None
+        set_inflight(node, tier, None)
         self._became_ready(node, tier)
 
     def _became_ready(self, node: Node, tier: int) -> None:
@@ -178,17 +206,21 @@ class PrefixIndex:
 
         Removes the node when it is left with no copy at all.
         """
-        state = node.state[tier]
-        assert state != ABSENT, (node, tier)
+        st = node.state
+        state = st[tier]
         if state == READY:
             self.policies[tier].remove(node)
             if node.ref == 0:
                 self.unreferenced[tier] -= 1
-        block_id = node.loc[tier]
-        node.loc[tier] = -1
-        node.state[tier] = ABSENT
-        node.inflight[tier] = None
-        self._maybe_remove(node)
+        elif state == ABSENT:
+            raise AssertionError(f"{node!r} has no copy on tier {tier}")
+        loc = node.loc
+        block_id = loc[tier]
+        loc[tier] = -1
+        st[tier] = ABSENT
+        set_inflight(node, tier, None)
+        if st[0] == ABSENT and st[1] == ABSENT and st[2] == ABSENT:
+            self._remove(node)
         return block_id
 
     # -- references -----------------------------------------------------------
@@ -198,9 +230,11 @@ class PrefixIndex:
             for t in (0, 1, 2):
                 if st[t] == READY:
                     self.unreferenced[t] -= 1
+                    self.policies[t].ref(node)
         node.ref += 1
 
     def unref(self, node: Node) -> None:
+        """Drop a reference: call tail-first along a prompt so parents stay newer."""
         if node.ref <= 0:
             raise AssertionError(f"ref count of {node!r} would go negative")
         node.ref -= 1
@@ -209,34 +243,36 @@ class PrefixIndex:
             for t in (0, 1, 2):
                 if st[t] == READY:
                     self.unreferenced[t] += 1
-
-    def touch(self, node: Node, hit: bool = False) -> None:
-        """Record an access: call tail-first along a prompt so parents stay newer."""
-        self.clock += 1
-        node.last_access = self.clock
-        if hit:
-            node.hits += 1
-        st = node.state
-        for t in (0, 1, 2):
-            if st[t] == READY:
-                self.policies[t].access(node)
+                    self.policies[t].unref(node)
 
     # -- eviction ----------------------------------------------------------------
-    def can_lose(self, node: Node, tier: int) -> bool:
-        """Whether ``tier``'s copy may go without breaking refs or prefix closure."""
+    def can_lose(self, node: Node, tier: int, copy_down: bool = False) -> bool:
+        """Whether ``tier``'s copy may go without breaking refs or prefix closure.
+
+        ``copy_down``: the copy will be written one tier down first, so the
+        node stays matchable even if it is an inner node.
+        """
         if node.ref or node.state[tier] != READY:
             return False
-        if node.children == 0:
-            return True
-        st = node.state
-        return any(t != tier and (st[t] == READY or st[t] == FILLING) for t in (0, 1, 2))
+        return node.children == 0 or copy_down or has_other_copy(node, tier)
 
-    def victims(self, tier: int) -> Iterator[Node]:
+    def victims(self, tier: int, copy_down: bool = False) -> Iterator[Node]:
         """Nodes whose ``tier`` copy may go, in the policy's order.
 
         The caller drops (or moves) each node it takes before asking for the
-        next, which may turn the taken node's parent into a leaf.
+        next, which may turn the taken node's parent into a leaf. The policy's
+        O(1) ``first`` answers while it can; a full scan only when it cannot.
         """
-        for node in self.policies[tier].candidates():
-            if self.can_lose(node, tier):
+        policy = self.policies[tier]
+        first = policy.first
+        can_lose = self.can_lose
+        while True:
+            node = first()
+            if node is None or not can_lose(node, tier, copy_down):
+                break
+            yield node
+            if node.state[tier] == READY and node.ref == 0:
+                break  # the caller declined it: let the full scan go on past it
+        for node in policy.candidates():
+            if can_lose(node, tier, copy_down):
                 yield node

@@ -121,10 +121,17 @@ def _opt_str(obj: dict[str, Any], key: str) -> str | None:
     raise _Bad(key, f"expected a string, got {_show(v)}")
 
 
-def _json_msg(exc: ValueError) -> str:
-    if isinstance(exc, json.JSONDecodeError):
+def _json_msg(raw: bytes) -> str:
+    """Why a line is not JSON, with a column that counts from the line's start."""
+    try:
+        text = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as exc:
+        return f"malformed line: not UTF-8 text ({exc.reason} at byte {exc.start + 1})"
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
         return f"malformed JSON: {exc.msg} (column {exc.colno})"
-    return f"malformed line: {exc}"
+    return "malformed JSON"
 
 
 def _type_name(obj: Any) -> str:
@@ -298,8 +305,8 @@ class Trace:
             try:
                 try:
                     obj = loads(raw)
-                except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-                    raise _Bad(None, _json_msg(exc)) from None
+                except ValueError:  # JSONDecodeError, UnicodeDecodeError
+                    raise _Bad(None, _json_msg(raw)) from None
                 ts, n_in, n_out, ids, toks, session, tenant = parse(obj)
                 if first is not None and ts < prev:
                     key = "timestamp" if "timestamp" in obj else "arrival_s"
