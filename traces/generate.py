@@ -117,7 +117,9 @@ class _Builder:
         self, arrival: float, segments: Sequence[Segment], output_len: int, session: str | None
     ) -> None:
         order = len(self._pending)
-        self._pending.append((round(float(arrival), 6), order, tuple(segments), output_len, session))
+        self._pending.append(
+            (round(float(arrival), 6), order, tuple(segments), output_len, session)
+        )
 
     def _segment_tokens(self, seg: Segment) -> np.ndarray:
         sid, length = seg
@@ -296,7 +298,9 @@ def agentic(
     def lat() -> float:
         return float(rng.exponential(latency)) if latency > 0 else 0.0
 
-    def run(history: list[Segment], t: float, count: int, session: str) -> tuple[list, float]:
+    def run(
+        history: list[Segment], t: float, count: int, session: str
+    ) -> tuple[list[Segment], float]:
         for step in range(count):
             if step:
                 t += lat()
