@@ -242,7 +242,7 @@ def trace_stats(
         output_len=summarize(outputs),
         total_blocks=total_blocks,
         unique_blocks=unique_blocks,
-        block_hit_ceiling=1 - unique_blocks / total_blocks if total_blocks else 0.0,
+        block_hit_ceiling=(total_blocks - unique_blocks) / total_blocks if total_blocks else 0.0,
         token_hit_ceiling=hit_tokens / total_tokens if total_tokens else 0.0,
         blocks_used_once=(
             sum(1 for c in counts.values() if c == 1) / unique_blocks if unique_blocks else 0.0
