@@ -275,3 +275,15 @@ def test_azure_header_errors(tmp_path: Path) -> None:
         open_trace(empty)
     with pytest.raises(TraceError, match="empty file"):
         open_trace(empty, fmt="azure")
+
+
+def test_damaged_first_line_does_not_change_the_format(tmp_path: Path) -> None:
+    # judged by the first line that parses: still Mooncake, still milliseconds
+    p = write(
+        tmp_path / "t.jsonl",
+        ['{"timestamp": 0, "input_len', moon(timestamp=1000), moon(timestamp=3000)],
+    )
+    assert error_of(p).line == 1
+    tr = open_trace(p, skip_bad=True)
+    assert tr.format == "mooncake"
+    assert [r.arrival_s for r in tr] == [0.0, 2.0] and tr.skipped == 1

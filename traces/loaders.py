@@ -417,20 +417,34 @@ class Trace:
             index += 1
 
 
-def _detect(first: bytes | None, name: str) -> str:
+_SNIFF_LINES = 50
+
+
+def _detect(file: Path, shown: str, first: bytes | None) -> str:
+    """Format of a file from its first non-blank line (see :func:`open_trace`).
+
+    A JSONL file whose first line is broken is judged by the first line that
+    parses, so that ``skip_bad`` on a Mooncake file with a damaged head does
+    not silently read millisecond timestamps as seconds.
+    """
+    name = file.name
     stem = name[:-3] if name.endswith(".gz") else name
     if first is None:
         return "azure" if stem.endswith(".csv") else "generic"
-    text = first.lstrip()
-    if text.startswith(b"{"):
-        try:
-            obj = json.loads(first)
-        except ValueError:
-            obj = None
-        if isinstance(obj, dict) and "kvflow_trace" not in obj and obj.keys() <= _MOONCAKE_KEYS:
-            return "mooncake"
+    if first.lstrip().startswith(b"{"):
+        for n, (_, raw) in enumerate(_lines(file, shown)):
+            if n >= _SNIFF_LINES:
+                break
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                if n == 0 and "kvflow_trace" in obj:
+                    return "generic"
+                return "mooncake" if obj.keys() <= _MOONCAKE_KEYS else "generic"
         return "generic"
-    if b"," in text:
+    if b"," in first:
         return "azure"
     raise TraceError("cannot detect the format (expected JSONL or an Azure CSV); pass fmt=")
 
@@ -478,7 +492,7 @@ def open_trace(
     first_line, first = peeked if peeked is not None else (0, None)
     if fmt == "auto":
         try:
-            fmt = _detect(first, file.name)
+            fmt = _detect(file, shown, first)
         except TraceError as exc:
             raise TraceError(exc.message, shown, first_line or None) from None
 
