@@ -1,0 +1,304 @@
+"""``CudaBackend``: the real world's ``TransferBackend`` (device <-> pinned host).
+
+It owns the KV memory (device caches per ``ModelSpec`` and a pinned host pool),
+one stream for loads (host -> device) and one for stores (device -> host), and
+turns each ``TransferOp`` into per-layer work: for layer i, wait (device-side)
+on layer i of every op it must follow, launch the copy, record layer i's
+event; a side stream waits on that event and runs a host function that hops
+to the event loop with ``call_soon_threadsafe`` to report ``layer_done(i)``
+(on the side stream, so a callback waiting for the GIL never stalls a copy).
+Nothing polls and the CPU never blocks: the engine orders its compute stream
+after layer i with ``wait_layer`` (``cudaStreamWaitEvent``), the scheduler
+awaits futures.
+
+Storage ops (prefetch, write) belong to a storage backend; this one refuses them.
+Call ``submit``/``cancel``/``wait_layer`` on the event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kernels._cuda import cupy_module
+from kernels.swap import DEFAULT_CTAS, DEFAULT_MIN_RUN_BYTES, BlockCopier, PreparedCopy, SwapKernels
+from kvflow.errors import ConfigError, InvalidBlockId, TransferError
+from kvflow.layout import ModelSpec
+from kvflow.manager import TransferOp
+from kvflow.radix import Tier
+
+
+@dataclass(eq=False)
+class CudaTask:
+    """Handle of one submitted op: what ``after``, ``cancel`` and ``wait_layer`` take."""
+
+    op: TransferOp
+    sink: object
+    loop: asyncio.AbstractEventLoop
+    stream: object = None
+    events: list[object] = field(default_factory=list)
+    prep: PreparedCopy | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    finished: bool = False
+    #: False when the op failed before anything was enqueued (nothing was written).
+    started: bool = False
+    _owner: CudaBackend | None = field(default=None, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.events)
+
+    def _on_layer(self, layer: int | None) -> None:
+        """On the loop thread: the GPU has passed layer ``layer`` (``None``: the end)."""
+        if self.finished:
+            return
+        if layer is not None and not self.cancelled and self.error is None:
+            self.sink.layer_done(layer)
+        if layer is None or layer == len(self.events) - 1:
+            self._finish(release=True)
+
+    def _finish(self, release: bool) -> None:
+        self.finished = True
+        if release and self._owner is not None:
+            self._owner._release_events(self.events)
+        self.events = []
+        if release:  # otherwise the GPU may still read the ids: keep them alive
+            self.prep = None
+        error = self.error
+        if error is None and self.cancelled:
+            error = TransferError(f"op {self.op.op_id} ({self.op.kind.value}) was cancelled")
+        self.sink.done(error)
+
+
+def _host_callback(arg: tuple[CudaTask, int | None]) -> None:
+    """Runs on a CUDA driver thread: hop to the loop; never raise, never call CUDA."""
+    task, layer = arg
+    with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
+        task.loop.call_soon_threadsafe(task._on_layer, layer)
+
+
+class FutureSink:
+    """A ``LayerSink`` holding one asyncio future per layer and one for the whole op.
+
+    The runtime has its own sink; this one is for tests, benchmarks and simple
+    callers that want ``await sink.layers[i]``.
+    """
+
+    def __init__(self, num_layers: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        loop = loop or asyncio.get_running_loop()
+        self.layers = [loop.create_future() for _ in range(num_layers)]
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.reported: list[int] = []
+
+    def layer_done(self, layer: int) -> None:
+        self.reported.append(layer)
+        self.layers[layer].set_result(layer)
+
+    def done(self, error: BaseException | None = None) -> None:
+        for fut in self.layers:
+            if not fut.done():
+                fut.set_exception(error or TransferError("op finished without this layer"))
+                fut.exception()  # mark retrieved: the op's own future carries the error
+        if error is None:
+            self.finished.set_result(None)
+        else:
+            self.finished.set_exception(error)
+
+    async def wait(self) -> None:
+        await self.finished
+
+
+class CudaBackend:
+    """Device KV caches + pinned host pool + two streams; implements ``TransferBackend``.
+
+    ``device_kv(layer, role)`` and ``host_kv(layer, role)`` are ``uint8`` views
+    ``[num_blocks, role_bytes]`` (view them as the model's dtype as needed);
+    each role of all layers is one allocation, so a layer's stride is constant
+    and a run of blocks moves through all layers in one 2-D memcpy.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        *,
+        ctas: int = DEFAULT_CTAS,
+        min_run_bytes: int = DEFAULT_MIN_RUN_BYTES,
+        device: int | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
+        for name, v in sizes:
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"CudaBackend {name} must be a positive integer, got {v!r}")
+        cp = cupy_module()
+        self._cp = cp
+        self.spec = spec
+        self.layout = spec.layout
+        self.num_layers = self.layout.num_layers
+        self.roles = tuple(r.name for r in self.layout.roles)
+        self.role_bytes = tuple(r.bytes_per_block for r in self.layout.roles)
+        self.num_device_blocks = num_device_blocks
+        self.num_host_blocks = num_host_blocks
+        self.device = cp.cuda.runtime.getDevice() if device is None else device
+        self._loop = loop
+        self._event_pool: list[object] = []
+        L = self.num_layers
+        with cp.cuda.Device(self.device):
+            self._dev = [cp.empty((L, num_device_blocks, b), dtype=np.uint8)
+                         for b in self.role_bytes]
+            self._host_mem = [cp.cuda.alloc_pinned_memory(L * num_host_blocks * b)
+                              for b in self.role_bytes]
+            self._host = [np.ndarray((L, num_host_blocks, b), dtype=np.uint8, buffer=m)
+                          for m, b in zip(self._host_mem, self.role_bytes, strict=True)]
+            self.load_stream = cp.cuda.Stream(non_blocking=True)
+            self.store_stream = cp.cuda.Stream(non_blocking=True)
+            # Host functions block their stream until Python (the GIL) runs them, so
+            # they go on side streams that wait on the layer events: copies never stall.
+            self._load_notify = cp.cuda.Stream(non_blocking=True)
+            self._store_notify = cp.cuda.Stream(non_blocking=True)
+            kernels = SwapKernels(self.device)
+            dev_bases = np.array([[a.data.ptr + layer * a.strides[0] for a in self._dev]
+                                  for layer in range(L)], dtype=np.int64)
+            host_bases = np.array([[m.ptr + layer * h.strides[0]
+                                    for m, h in zip(self._host_mem, self._host, strict=True)]
+                                   for layer in range(L)], dtype=np.int64)
+            common = dict(ctas=ctas, min_run_bytes=min_run_bytes, kernels=kernels)
+            self.h2d = BlockCopier(host_bases, dev_bases, self.role_bytes, num_host_blocks,
+                                   num_device_blocks, src_name="host", dst_name="device", **common)
+            self.d2h = BlockCopier(dev_bases, host_bases, self.role_bytes, num_device_blocks,
+                                   num_host_blocks, src_name="device", dst_name="host", **common)
+
+    # ------------------------------------------------------------------ memory
+    def device_kv(self, layer: int, role: str) -> object:
+        """``cupy`` uint8 ``[num_device_blocks, role_bytes]`` of one layer and role."""
+        return self._dev[self.roles.index(role)][layer]
+
+    def host_kv(self, layer: int, role: str) -> np.ndarray:
+        """Pinned ``numpy`` uint8 ``[num_host_blocks, role_bytes]`` of one layer and role."""
+        return self._host[self.roles.index(role)][layer]
+
+    # ------------------------------------------------------------------ protocol
+    def submit(self, op: TransferOp, sink: object, after: Sequence[object] = ()) -> CudaTask:
+        """Enqueue ``op`` layer by layer; never blocks the CPU on the GPU.
+
+        Bad ids: nothing is enqueued or written and ``sink.done(InvalidBlockId)``
+        follows on the loop. An op that touches storage raises ``TransferError``
+        at once (a configuration mistake: this backend has no storage tier).
+        """
+        copier, stream, notify = self._route(op)
+        loop = self._event_loop()
+        task = CudaTask(op, sink, loop, stream, _owner=self)
+        try:
+            prep = copier.prepare(op.src_ids, op.dst_ids, stream)
+        except InvalidBlockId as exc:
+            task.error = exc
+            task.finished = True
+            loop.call_soon(sink.done, exc)
+            return task
+        task.prep = prep
+        task.events = self._take_events(self.num_layers)
+        task.started = True
+        # Same-stream predecessors are already ordered; finished ones are past.
+        deps = [h for h in after if isinstance(h, CudaTask) and h.started
+                and not h.finished and h.stream is not stream]
+        layer = 0
+        try:
+            for layer in range(self.num_layers):
+                for h in deps:
+                    stream.wait_event(h.events[layer])
+                copier.launch(prep, stream, layer, 1)
+                ev = task.events[layer]
+                ev.record(stream)
+                notify.wait_event(ev)
+                notify.launch_host_func(_host_callback, (task, layer))
+        except Exception as exc:  # a CUDA error while enqueueing: report it, keep order
+            task.error = TransferError(f"op {op.op_id}: enqueueing layer {layer} failed: {exc}")
+            task.error.__cause__ = exc
+            try:
+                for ev in task.events[layer:]:
+                    ev.record(stream)  # dependents must not wait on stale events
+                notify.wait_event(task.events[-1])
+                notify.launch_host_func(_host_callback, (task, None))
+            except Exception:
+                loop.call_soon(task._finish, False)
+        return task
+
+    def cancel(self, handle: object) -> None:
+        """Stop reporting ``handle``; its sink gets ``done(TransferError)`` once the GPU is past it.
+
+        Work already enqueued still runs (CUDA cannot recall it), so ``done``
+        waits for it: until then the destination blocks may still be written.
+        """
+        task = self._task(handle)
+        if not task.finished:
+            task.cancelled = True
+
+    def wait_layer(self, stream: object, handle: object, layer: int) -> None:
+        """Make ``stream`` (the engine's compute stream) wait, on the GPU, for layer ``layer``."""
+        task = self._task(handle)
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        if not task.started:
+            raise TransferError(f"op {task.op.op_id} failed before it started: {task.error}")
+        if task.finished:
+            return  # the GPU is past every layer of it
+        stream.wait_event(task.events[layer])
+
+    def layer_event(self, handle: object, layer: int) -> object | None:
+        """The CUDA event recorded after layer ``layer`` (``None`` once the op has finished)."""
+        task = self._task(handle)
+        return None if task.finished else task.events[layer]
+
+    def synchronize(self) -> None:
+        """Block until both streams are idle (tests, shutdown; never on the hot path)."""
+        for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify):
+            s.synchronize()
+
+    # ------------------------------------------------------------------ internals
+    def _route(self, op: TransferOp) -> tuple[BlockCopier, object, object]:
+        src, dst = Tier(op.src_tier), Tier(op.dst_tier)
+        if src == Tier.HOST and dst == Tier.DEVICE:
+            return self.h2d, self.load_stream, self._load_notify
+        if src == Tier.DEVICE and dst == Tier.HOST:
+            return self.d2h, self.store_stream, self._store_notify
+        raise TransferError(
+            f"CudaBackend moves blocks between device and host only; op {op.op_id} "
+            f"({op.kind.value}) goes {src.name.lower()} -> {dst.name.lower()}: "
+            "storage transfers need a storage backend"
+        )
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        try:
+            return asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                raise RuntimeError(
+                    "CudaBackend.submit needs a running event loop or loop= at construction"
+                ) from None
+            return self._loop
+
+    def _take_events(self, n: int) -> list[object]:
+        pool = self._event_pool
+        events = pool[-n:] if n <= len(pool) else []
+        if events:
+            del pool[-n:]
+        else:
+            with self._cp.cuda.Device(self.device):
+                events = [self._cp.cuda.Event(disable_timing=True) for _ in range(n)]
+        return events
+
+    def _release_events(self, events: list[object]) -> None:
+        self._event_pool.extend(events)
+
+    @staticmethod
+    def _task(handle: object) -> CudaTask:
+        if not isinstance(handle, CudaTask):
+            raise TypeError(f"not a CudaBackend handle: {handle!r}")
+        return handle

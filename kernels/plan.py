@@ -1,0 +1,195 @@
+"""Pure-Python (numpy) planning for the swap kernels: no CuPy, no GPU.
+
+Everything decided before a byte moves lives here, so it can be tested on any
+machine: validating block ids (an op either moves every block or none), cutting
+the pairs into copy-engine runs and scattered singletons, and building the
+tables the kernel reads (per-layer base pointers, per-role chunking).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvflow.errors import InvalidBlockId
+
+#: Bytes one warp moves per step: 32 lanes x 16-byte vectors x 8 in flight.
+#: Must equal ``kChunkBytes`` in ``swap_copy.cuh``.
+CHUNK_BYTES = 32 * 16 * 8
+#: Vector width of the kernel's loads and stores; every base and role size is a multiple.
+VEC_BYTES = 16
+#: Roles per layer the kernel supports (``kMaxRoles`` in ``swap_copy.cuh``).
+MAX_ROLES = 8
+
+
+def validate_ids(
+    src_ids: Sequence[int] | np.ndarray,
+    dst_ids: Sequence[int] | np.ndarray,
+    num_src_blocks: int,
+    num_dst_blocks: int,
+    *,
+    src_name: str = "source",
+    dst_name: str = "destination",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check every id before anything moves; return both as int32 arrays.
+
+    Out-of-range ids on either side and duplicate destination ids (two blocks
+    landing on one) raise ``InvalidBlockId`` naming the first offender and its
+    position. Duplicate *source* ids are legal: one block copied twice.
+    """
+    src = _as_ids(src_ids, src_name)
+    dst = _as_ids(dst_ids, dst_name)
+    if src.shape != dst.shape:
+        raise InvalidBlockId(
+            f"{src_name} and {dst_name} id lists differ in length: {src.size} != {dst.size}"
+        )
+    _check_range(src, num_src_blocks, src_name)
+    _check_range(dst, num_dst_blocks, dst_name)
+    if dst.size > 1:
+        order = np.argsort(dst, kind="stable")
+        sd = dst[order]
+        dup = np.flatnonzero(sd[1:] == sd[:-1])
+        if dup.size:
+            k = int(dup[0])
+            first, second = sorted((int(order[k]), int(order[k + 1])))
+            raise InvalidBlockId(
+                f"duplicate {dst_name} block id {int(sd[k])} at positions {first} and {second}"
+            )
+    return src.astype(np.int32, copy=False), dst.astype(np.int32, copy=False)
+
+
+def _as_ids(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        raise InvalidBlockId(f"{name} ids must be a flat list, got shape {arr.shape}")
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise InvalidBlockId(f"{name} ids must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_range(ids: np.ndarray, capacity: int, name: str) -> None:
+    if ids.size == 0:
+        return
+    bad = np.flatnonzero((ids < 0) | (ids >= capacity))
+    if bad.size:
+        k = int(bad[0])
+        raise InvalidBlockId(
+            f"{name} block id {int(ids[k])} at position {k} is out of range [0, {capacity})"
+        )
+
+
+@dataclass(frozen=True)
+class Runs:
+    """An op's pairs split by how they move.
+
+    ``runs`` rows are ``(src_start, dst_start, length)``: consecutive ids on both
+    sides, one copy-engine ``cudaMemcpyAsync`` per role and layer. ``src``/``dst``
+    are the remaining pairs, copied by the kernel.
+    """
+
+    runs: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+
+    @property
+    def num_run_blocks(self) -> int:
+        return int(self.runs[:, 2].sum()) if self.runs.size else 0
+
+
+def split_runs(src: np.ndarray, dst: np.ndarray, min_run_blocks: int) -> Runs:
+    """Coalesce maximal runs of consecutive ids (on both sides) of ``min_run_blocks`` or more.
+
+    A run is the copy engine's case: one memcpy moves it without touching an SM.
+    Shorter runs and singletons stay with the kernel, which is faster there
+    (each memcpy costs microseconds of setup). ``min_run_blocks <= 0`` sends
+    everything to the kernel.
+    """
+    src = np.asarray(src, dtype=np.int32)
+    dst = np.asarray(dst, dtype=np.int32)
+    n = src.size
+    empty = np.zeros((0, 3), dtype=np.int64)
+    if min_run_blocks <= 0 or n < max(min_run_blocks, 2):
+        return Runs(empty, src, dst)
+    cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    # starts of maximal runs: positions where the chain breaks
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    long = lengths >= min_run_blocks
+    if not long.any():
+        return Runs(empty, src, dst)
+    rs, rl = starts[long], lengths[long]
+    runs = np.stack([src[rs].astype(np.int64), dst[rs].astype(np.int64), rl], axis=1)
+    keep = np.ones(n, dtype=bool)
+    for s, ln in zip(rs.tolist(), rl.tolist(), strict=True):
+        keep[s : s + ln] = False
+    return Runs(runs, src[keep], dst[keep])
+
+
+def min_run_blocks_for(min_run_bytes: int, bytes_per_layer_block: int) -> int:
+    """Run length (blocks) from which a run goes to the copy engine; 0: never."""
+    if min_run_bytes <= 0:
+        return 0
+    return max(2, -(-min_run_bytes // bytes_per_layer_block))
+
+
+def role_table(role_bytes: Sequence[int]) -> tuple[np.ndarray, int]:
+    """Per-role ``(bytes, first chunk)`` rows and chunks per block (all roles).
+
+    The kernel cuts every (layer, block) into warp-sized chunks, roles one
+    after another, so a 512 KB block feeds many warps and a 16-byte fp8
+    scale still takes one.
+    """
+    if not 1 <= len(role_bytes) <= MAX_ROLES:
+        raise ValueError(
+            f"the kernel supports 1..{MAX_ROLES} roles per layer, got {len(role_bytes)}"
+        )
+    rows = []
+    first = 0
+    for b in role_bytes:
+        if b <= 0 or b % VEC_BYTES:
+            raise ValueError(
+                f"role bytes per block must be a positive multiple of {VEC_BYTES}, got {b}"
+            )
+        rows.append((b, first))
+        first += -(-b // CHUNK_BYTES)
+    return np.asarray(rows, dtype=np.int64), first
+
+
+def pointer_table(src_bases: np.ndarray, dst_bases: np.ndarray) -> np.ndarray:
+    """``[layers, roles, 2]`` uint64 of (source base, destination base) addresses.
+
+    Uploaded once per direction; a launch then names a layer range, which is
+    how one kernel serves both the per-layer and the all-layer launch.
+    """
+    s = np.asarray(src_bases, dtype=np.uint64)
+    d = np.asarray(dst_bases, dtype=np.uint64)
+    if s.shape != d.shape or s.ndim != 2:
+        raise ValueError(f"base tables must both be [layers, roles]; got {s.shape} and {d.shape}")
+    for name, t in (("source", s), ("destination", d)):
+        bad = np.flatnonzero(t.ravel() % VEC_BYTES)
+        if bad.size:
+            addr = int(t.ravel()[bad[0]])
+            raise ValueError(f"{name} base address {addr:#x} is not 16-byte aligned")
+    return np.ascontiguousarray(np.stack([s, d], axis=-1))
+
+
+def uniform_stride(bases: np.ndarray) -> int | None:
+    """Stride between consecutive layers' bases if constant (one 2-D memcpy then covers all)."""
+    b = np.asarray(bases, dtype=np.int64)
+    if b.size < 2:
+        return 0
+    diffs = np.diff(b)
+    return int(diffs[0]) if (diffs == diffs[0]).all() and diffs[0] > 0 else None
+
+
+def pack_ids(src: np.ndarray, dst: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Interleave pairs as the kernel reads them: ``[src0, dst0, src1, dst1, ...]`` int32."""
+    n = src.size
+    buf = np.empty(2 * n, dtype=np.int32) if out is None else out[: 2 * n]
+    buf[0::2] = src
+    buf[1::2] = dst
+    return buf

@@ -1,0 +1,65 @@
+// Swap kernel: copy a list of KV blocks between device caches and pinned
+// (mapped) host buffers, for a range of layers and every cache role.
+//
+// One kernel serves both directions and both launch shapes: the caller passes
+// a device table of per-(layer, role) base pointers for one direction and a
+// layer range (one layer: the per-layer launch; all layers: one launch).
+// Host memory from cudaHostAlloc is mapped on UVA systems, so its host address
+// is dereferenced directly; the SMs pull/push over PCIe.
+//
+// Work is split into units of (layer, block, chunk), chunks running across the
+// roles of a block; warps take units grid-stride, layer-major, so with several
+// layers in one launch the early layers finish first.
+#include "swap_copy.cuh"
+
+using namespace kvflow;
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src base, dst base
+                   const u64 roles_addr,   // i64 [num_roles][2]: bytes per block, first chunk
+                   const i64 num_roles,
+                   const i64 chunks_per_block,
+                   const i64 layer_begin,
+                   const i64 num_layers,
+                   const u64 ids_addr,     // int [num_blocks][2]: src id, dst id
+                   const i64 num_blocks) {
+  __shared__ i64 s_bytes[kMaxRoles];
+  __shared__ i64 s_first[kMaxRoles];
+  const u64* __restrict__ table = reinterpret_cast<const u64*>(table_addr);
+  const i64* __restrict__ roles = reinterpret_cast<const i64*>(roles_addr);
+  const int* __restrict__ ids = reinterpret_cast<const int*>(ids_addr);
+  const int nroles = static_cast<int>(num_roles);
+  if (threadIdx.x < nroles) {
+    s_bytes[threadIdx.x] = roles[2 * threadIdx.x];
+    s_first[threadIdx.x] = roles[2 * threadIdx.x + 1];
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & (kWarpSize - 1);
+  const i64 warps_per_cta = blockDim.x / kWarpSize;
+  const i64 num_warps = warps_per_cta * gridDim.x;
+  const i64 per_layer = num_blocks * chunks_per_block;
+  const i64 total = per_layer * num_layers;
+
+  for (i64 u = blockIdx.x * warps_per_cta + threadIdx.x / kWarpSize; u < total; u += num_warps) {
+    const i64 layer = u / per_layer;
+    const i64 v = u - layer * per_layer;
+    const i64 j = v / chunks_per_block;
+    const i64 c = v - j * chunks_per_block;
+    int r = 0;
+#pragma unroll
+    for (int k = 1; k < kMaxRoles; ++k) {
+      if (k < nroles && c >= s_first[k]) r = k;
+    }
+    const i64 bytes = s_bytes[r];
+    const i64 off = (c - s_first[r]) * kChunkBytes;
+    const i64 len = min(static_cast<i64>(kChunkBytes), bytes - off);
+    const u64* entry = table + ((layer_begin + layer) * nroles + r) * 2;
+    const i64 src_id = ids[2 * j];
+    const i64 dst_id = ids[2 * j + 1];
+    const char* src = reinterpret_cast<const char*>(entry[0]) + src_id * bytes + off;
+    char* dst = reinterpret_cast<char*>(entry[1]) + dst_id * bytes + off;
+    warp_copy_chunk(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
+                    static_cast<int>(len / kVecBytes), lane);
+  }
+}

@@ -1,0 +1,325 @@
+"""GPU tests of the swap kernels and ``CudaBackend`` (skipped without CuPy or a GPU).
+
+Random bytes everywhere (never zeros: they hide unwritten blocks), destinations
+poisoned first, every cache role and dtype, ids mixing runs and singletons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kernels import gpu_unavailable_reason
+from kvflow.errors import InvalidBlockId, TransferError
+from kvflow.layout import ModelSpec
+from kvflow.manager import OpKind, TransferOp
+from kvflow.radix import Tier
+
+_REASON = gpu_unavailable_reason()
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_REASON is not None, reason=f"needs a CUDA GPU and CuPy: {_REASON}"),
+]
+
+if _REASON is None:
+    import cupy as cp
+
+    from kernels.backend import CudaBackend, FutureSink
+    from kernels.testing import spin
+
+SPECS = {
+    "mha-bf16": ModelSpec("mha-bf16", num_layers=3, num_kv_heads=2, head_dim=64),
+    "mha-fp16-128k": ModelSpec("mha-fp16-128k", num_layers=2, num_kv_heads=8, head_dim=128,
+                               dtype="fp16", block_tokens=64),
+    "mha-fp32": ModelSpec("mha-fp32", num_layers=2, num_kv_heads=1, head_dim=40, dtype="fp32"),
+    "mha-fp8": ModelSpec("mha-fp8", num_layers=3, num_kv_heads=2, head_dim=64, dtype="fp8"),
+    "mla-bf16": ModelSpec("mla-bf16", num_layers=2, num_kv_heads=1, head_dim=80, attention="mla",
+                          kv_lora_rank=64, qk_rope_head_dim=16),
+    "mla-fp8-dsa": ModelSpec("mla-fp8-dsa", num_layers=2, num_kv_heads=1, head_dim=80,
+                             attention="mla", kv_lora_rank=64, qk_rope_head_dim=16,
+                             indexer_head_dim=32, dtype="fp8"),
+}
+_op_ids = iter(range(1 << 30))
+
+
+def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
+    """Run under uvloop where installed (the real world's loop), else asyncio's."""
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro_fn())
+
+
+def op(kind: OpKind, src: list[int], dst: list[int]) -> TransferOp:
+    tiers = (Tier.HOST, Tier.DEVICE) if kind == OpKind.SWAP_IN else (Tier.DEVICE, Tier.HOST)
+    return TransferOp(next(_op_ids), kind, tiers[0], tiers[1], list(src), list(dst), keys=[])
+
+
+def mixed_ids(rng: np.random.Generator, n: int, src_cap: int, dst_cap: int):
+    """``n`` pairs made of runs (consecutive on both sides) and singletons, shuffled."""
+    lengths: list[int] = []
+    while sum(lengths) < n:
+        lengths.append(int(min(n - sum(lengths), rng.choice([1, 1, 1, 2, 5, 12, 40]))))
+
+    def place(cap: int) -> list[np.ndarray]:
+        # segments of the given lengths at random, non-overlapping, shuffled places
+        slack = cap - n
+        cuts = np.sort(rng.integers(0, slack + 1, size=len(lengths)))
+        order = rng.permutation(len(lengths))
+        starts, pos = {}, 0
+        for k, i in enumerate(order):
+            starts[i] = pos + cuts[k]
+            pos += lengths[i]
+        return [np.arange(starts[i], starts[i] + lengths[i]) for i in range(len(lengths))]
+
+    src, dst = place(src_cap), place(dst_cap)
+    perm = rng.permutation(len(lengths))
+    return (np.concatenate([src[i] for i in perm]).tolist(),
+            np.concatenate([dst[i] for i in perm]).tolist())
+
+
+def fill_random(backend: CudaBackend, rng: np.random.Generator) -> None:
+    for layer in range(backend.num_layers):
+        for role in backend.roles:
+            h = backend.host_kv(layer, role)
+            h[...] = rng.integers(0, 256, size=h.shape, dtype=np.uint8)
+            d = backend.device_kv(layer, role)
+            d[...] = cp.random.randint(0, 256, size=d.shape, dtype=np.uint8)
+    cp.cuda.Device().synchronize()
+
+
+def snapshot_device(backend: CudaBackend) -> list[np.ndarray]:
+    return [cp.asnumpy(backend.device_kv(layer, role))
+            for layer in range(backend.num_layers) for role in backend.roles]
+
+
+# ---------------------------------------------------------------- round trips
+@pytest.mark.parametrize("min_run_bytes", [0, 1], ids=["kernel-only", "runs-to-copy-engine"])
+@pytest.mark.parametrize("name", list(SPECS))
+def test_round_trip_bit_exact(name: str, min_run_bytes: int) -> None:
+    spec = SPECS[name]
+    rng = np.random.default_rng(zlib.crc32(name.encode()) + min_run_bytes)
+    nd, nh, n = 96, 200, 80
+    backend = CudaBackend(spec, nd, nh, ctas=4, min_run_bytes=min_run_bytes)
+    fill_random(backend, rng)
+    host_src, dev = mixed_ids(rng, n, nh, nd)
+    free_host = sorted(set(range(nh)) - set(host_src))
+    host_dst = rng.permutation(free_host)[:n].tolist()
+    for layer in range(spec.num_layers):  # poison what must be overwritten
+        for role in backend.roles:
+            backend.device_kv(layer, role)[dev] = 0xCD
+            backend.host_kv(layer, role)[host_dst] = 0xAB
+
+    async def main() -> tuple[FutureSink, FutureSink]:
+        s_in, s_out = FutureSink(spec.num_layers), FutureSink(spec.num_layers)
+        t_in = backend.submit(op(OpKind.SWAP_IN, host_src, dev), s_in, ())
+        backend.submit(op(OpKind.EVICT, dev, host_dst), s_out, (t_in,))
+        await asyncio.gather(s_in.wait(), s_out.wait())
+        return s_in, s_out
+
+    s_in, s_out = run(main)
+    assert s_in.reported == list(range(spec.num_layers)) == s_out.reported
+    for layer in range(spec.num_layers):
+        for role in backend.roles:
+            h = backend.host_kv(layer, role)
+            d = cp.asnumpy(backend.device_kv(layer, role))
+            np.testing.assert_array_equal(d[dev], h[host_src], err_msg=f"{layer}/{role} h2d")
+            np.testing.assert_array_equal(h[host_dst], h[host_src], err_msg=f"{layer}/{role} d2h")
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 16])
+def test_all_layer_launch_bit_exact(ctas: int) -> None:
+    """The one-launch path over all layers (used by benchmarks and bulk moves)."""
+    spec = SPECS["mha-fp8"]
+    rng = np.random.default_rng(ctas)
+    backend = CudaBackend(spec, 64, 128, min_run_bytes=1)
+    fill_random(backend, rng)
+    host_src, dev = mixed_ids(rng, 60, 128, 64)
+    before = snapshot_device(backend)
+    keep = backend.h2d.copy(host_src, dev, backend.load_stream, ctas=ctas)
+    backend.synchronize()
+    del keep
+    untouched = sorted(set(range(64)) - set(dev))
+    k = 0
+    for layer in range(spec.num_layers):
+        for role in backend.roles:
+            d = cp.asnumpy(backend.device_kv(layer, role))
+            np.testing.assert_array_equal(d[dev], backend.host_kv(layer, role)[host_src])
+            np.testing.assert_array_equal(d[untouched], before[k][untouched])
+            k += 1
+
+
+@pytest.mark.asyncio
+async def test_runs_on_default_asyncio_loop() -> None:
+    spec = SPECS["mla-bf16"]
+    backend = CudaBackend(spec, 16, 16)
+    fill_random(backend, np.random.default_rng(3))
+    sink = FutureSink(spec.num_layers)
+    backend.submit(op(OpKind.SWAP_IN, [5, 1, 9], [0, 15, 7]), sink, ())
+    assert await sink.layers[0] == 0
+    await sink.wait()
+    d = cp.asnumpy(backend.device_kv(1, "latent"))
+    np.testing.assert_array_equal(d[[0, 15, 7]], backend.host_kv(1, "latent")[[5, 1, 9]])
+
+
+# ---------------------------------------------------------------- ordering
+def test_compute_stream_waits_for_each_layer_on_the_gpu() -> None:
+    """A kernel on the compute stream after ``wait_layer`` reads loaded bytes, never poison."""
+    spec = SPECS["mha-bf16"]
+    rng = np.random.default_rng(7)
+    backend = CudaBackend(spec, 64, 64)
+    fill_random(backend, rng)
+    host_src, dev = mixed_ids(rng, 48, 64, 64)
+    for layer in range(spec.num_layers):
+        backend.device_kv(layer, "k")[dev] = 0xCD
+    dev_idx = cp.asarray(dev)  # on the GPU already: indexing must not copy (and block) later
+    cp.cuda.Device().synchronize()
+    compute = cp.cuda.Stream(non_blocking=True)
+    control = cp.cuda.Stream(non_blocking=True)
+
+    async def main() -> tuple[list, list, float]:
+        sink = FutureSink(spec.num_layers)
+        spin(backend.load_stream, 0.05)  # the load cannot start for 50 ms
+        t0 = time.perf_counter()
+        task = backend.submit(op(OpKind.SWAP_IN, host_src, dev), sink, ())
+        seen, stale = [], []
+        with control:  # no wait: must see the poison (proves the test can fail)
+            stale.append(backend.device_kv(0, "k")[dev_idx])
+        for layer in range(spec.num_layers):
+            backend.wait_layer(compute, task, layer)
+            with compute:
+                seen.append(backend.device_kv(layer, "k")[dev_idx])
+        cpu = time.perf_counter() - t0
+        await sink.wait()
+        return seen, stale, cpu
+
+    seen, stale, cpu = run(main)
+    compute.synchronize()
+    control.synchronize()
+    assert cpu < 0.04, f"submit + wait_layer blocked the CPU for {cpu * 1e3:.1f} ms"
+    assert (cp.asnumpy(stale[0]) == 0xCD).all()
+    for layer, got in enumerate(seen):
+        np.testing.assert_array_equal(cp.asnumpy(got), backend.host_kv(layer, "k")[host_src])
+
+
+def test_many_concurrent_tasks_both_directions() -> None:
+    """Evict-then-reuse chains across the two streams, plus independent loads and stores."""
+    spec = SPECS["mha-fp8"]
+    rng = np.random.default_rng(11)
+    nd, nh, k, per = 384, 512, 16, 8
+    backend = CudaBackend(spec, nd, nh, ctas=2)
+    fill_random(backend, rng)
+    dev_perm = rng.permutation(nd).tolist()
+    host_perm = rng.permutation(nh).tolist()
+    reused = [dev_perm[i * per:(i + 1) * per] for i in range(k)]           # evicted, then loaded
+    independent = [dev_perm[(k + i) * per:(k + i + 1) * per] for i in range(k)]
+    h_out = [host_perm[i * per:(i + 1) * per] for i in range(k)]
+    h_in = [host_perm[(k + i) * per:(k + i + 1) * per] for i in range(k)]
+    h_out2 = [host_perm[(2 * k + i) * per:(2 * k + i + 1) * per] for i in range(k)]
+    h_in2 = [host_perm[(3 * k + i) * per:(3 * k + i + 1) * per] for i in range(k)]
+    dev0 = snapshot_device(backend)
+    host0 = {(layer, r): backend.host_kv(layer, r).copy()
+             for layer in range(spec.num_layers) for r in backend.roles}
+
+    async def main() -> list[FutureSink]:
+        sinks = []
+        spin(backend.store_stream, 0.03)  # evictions lag: a missing wait would lose their data
+        for i in range(k):
+            s_evict, s_load = FutureSink(spec.num_layers), FutureSink(spec.num_layers)
+            ev = backend.submit(op(OpKind.EVICT, reused[i], h_out[i]), s_evict, ())
+            backend.submit(op(OpKind.SWAP_IN, h_in[i], reused[i]), s_load, (ev,))
+            s_a, s_b = FutureSink(spec.num_layers), FutureSink(spec.num_layers)
+            backend.submit(op(OpKind.BACKUP, independent[i], h_out2[i]), s_a, ())
+            free_dev = dev_perm[2 * k * per:][i * per // 2:(i + 1) * per // 2]
+            backend.submit(op(OpKind.SWAP_IN, h_in2[i][: len(free_dev)], free_dev), s_b, ())
+            sinks += [s_evict, s_load, s_a, s_b]
+        await asyncio.gather(*(s.wait() for s in sinks))
+        return sinks
+
+    sinks = run(main)
+    assert all(s.reported == list(range(spec.num_layers)) for s in sinks)
+    k_ = 0
+    for layer in range(spec.num_layers):
+        for role in backend.roles:
+            h = backend.host_kv(layer, role)
+            d = cp.asnumpy(backend.device_kv(layer, role))
+            for i in range(k):
+                np.testing.assert_array_equal(h[h_out[i]], dev0[k_][reused[i]])
+                np.testing.assert_array_equal(d[reused[i]], host0[layer, role][h_in[i]])
+                np.testing.assert_array_equal(h[h_out2[i]], dev0[k_][independent[i]])
+                free_dev = dev_perm[2 * k * per:][i * per // 2:(i + 1) * per // 2]
+                np.testing.assert_array_equal(
+                    d[free_dev], host0[layer, role][h_in2[i][: len(free_dev)]])
+            k_ += 1
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    ("src", "dst", "match"),
+    [
+        ([0, 1, 2], [3, 64, 5], "device block id 64 at position 1"),
+        ([0, 1, 99], [3, 4, 5], "host block id 99 at position 2"),
+        ([0, 1, 2], [7, 8, 7], "duplicate device block id 7"),
+        ([0, -1], [1, 2], "host block id -1"),
+    ],
+)
+def test_invalid_ids_rejected_destination_untouched(src: list, dst: list, match: str) -> None:
+    spec = SPECS["mha-fp8"]
+    backend = CudaBackend(spec, 64, 64, min_run_bytes=1)
+    fill_random(backend, np.random.default_rng(5))
+    before = snapshot_device(backend)
+    with pytest.raises(InvalidBlockId, match=match):
+        backend.h2d.copy(src, dst, backend.load_stream)
+
+    async def main() -> tuple[FutureSink, object]:
+        sink = FutureSink(spec.num_layers)
+        task = backend.submit(op(OpKind.SWAP_IN, src, dst), sink, ())
+        with pytest.raises(TransferError, match="failed before it started"):
+            backend.wait_layer(cp.cuda.Stream(non_blocking=True), task, 0)
+        with pytest.raises(InvalidBlockId, match=match):
+            await sink.wait()
+        return sink, task
+
+    sink, _ = run(main)
+    assert sink.reported == []
+    backend.synchronize()
+    for got, want in zip(snapshot_device(backend), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_storage_ops_are_refused() -> None:
+    backend = CudaBackend(SPECS["mha-bf16"], 8, 8)
+    bad = TransferOp(0, OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0], [0], keys=[])
+
+    async def main() -> None:
+        with pytest.raises(TransferError, match="storage transfers need a storage backend"):
+            backend.submit(bad, FutureSink(backend.num_layers), ())
+
+    run(main)
+
+
+def test_cancel_reports_error_after_the_gpu_is_done() -> None:
+    spec = SPECS["mha-bf16"]
+    backend = CudaBackend(spec, 16, 16)
+
+    async def main() -> FutureSink:
+        sink = FutureSink(spec.num_layers)
+        spin(backend.load_stream, 0.03)
+        task = backend.submit(op(OpKind.SWAP_IN, [1, 2], [3, 4]), sink, ())
+        backend.cancel(task)
+        with pytest.raises(TransferError, match="cancelled"):
+            await sink.wait()
+        assert backend.layer_event(task, 0) is None  # finished: the GPU is past it
+        return sink
+
+    assert run(main).reported == []
