@@ -314,10 +314,12 @@ def gen(
         n = write_generic(reqs, output, block_tokens=block_tokens, force=force, **meta)
     line = f"wrote {n:,} requests to {output} ({kind}, seed {seed}"
     if kind == "shared-prefix":
-        p = params.get("prompts_per_group", 32)
-        ideal = gen_mod.shared_prefix_hit_ratio(
-            p, params.get("system_len", 2048), params.get("question_len", 128), block_tokens
+        defaults = inspect.signature(gen_mod.shared_prefix).parameters
+        p, sl, ql = (
+            params.get(k, defaults[k].default)
+            for k in ("prompts_per_group", "system_len", "question_len")
         )
+        ideal = gen_mod.shared_prefix_hit_ratio(p, sl, ql, block_tokens)
         line += f"; ideal token hit ratio {100 * ideal:.1f}%"
     Console(highlight=False, soft_wrap=True).print(line + ")")
 
