@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvflow.blocks import BlockPool
-from kvflow.errors import ConfigError, NotEnoughBlocks, PoolExhausted
+from kvflow.errors import ConfigError, NotEnoughBlocks
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import (
     ABSENT,
@@ -56,6 +56,8 @@ class TransferOp:
     keys: list[Hashable]
     nodes: list[Node] = field(repr=False, default_factory=list)
     plan: Plan | None = field(repr=False, default=None)
+    # Plans that read what this op writes instead of loading it again.
+    sharers: list[Plan] = field(repr=False, default_factory=list)
 
     @property
     def num_blocks(self) -> int:
@@ -180,41 +182,35 @@ class CacheManager:
         for n in matched:
             ref(n)
         tiers = [n.best_tier() for n in matched]
-        # Storage hits need a host block to land in (where there is a host tier);
-        # those that cannot get one are recomputed instead.
-        if self.has_tier(Tier.HOST) and Tier.STORAGE in tiers:
-            first = tiers.index(Tier.STORAGE)
-            wanted = tiers.count(Tier.STORAGE)
-            if self._room(Tier.HOST) < wanted:
-                for n in matched[first:]:
-                    index.unref(n)
-                del matched[first:], tiers[first:]
-        n_new = len(keys) - len(matched)
-        needed = sum(1 for t in tiers if t != Tier.DEVICE) + n_new + extra_blocks
-        if needed > self._room(Tier.DEVICE):
-            available = self._room(Tier.DEVICE)
-            for n in matched:
-                index.unref(n)
-            self.stats.rejected_plans += 1
-            raise NotEnoughBlocks(needed, available)
-
         ops: list[TransferOp] = []
-        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
-        # Prefetch storage -> host first: device evictions below may need host room too.
+        # Storage hits need a host block to land in (where there is a host tier);
+        # those that cannot get one are recomputed instead. Prefetch room comes
+        # first: device evictions below may want host room too.
         host_ids: list[int] = []
         if self.has_tier(Tier.HOST) and Tier.STORAGE in tiers:
-            host_ids = self._make_room(Tier.HOST, tiers.count(Tier.STORAGE), ops)
-        try:
-            dev_ids = self._make_room(Tier.DEVICE, needed, ops)
-        except PoolExhausted as e:
-            # Evictions fell short (blocks pinned by closure): undo what is ours;
-            # copy-outs already started stay valid and are handed out separately.
+            host_ids = self._make_room(Tier.HOST, tiers.count(Tier.STORAGE), ops, partial=True)
+            cut = [i for i, t in enumerate(tiers) if t == Tier.STORAGE][len(host_ids):]
+            if cut:
+                for n in matched[cut[0]:]:
+                    index.unref(n)
+                del matched[cut[0]:], tiers[cut[0]:]
+                keep = tiers.count(Tier.STORAGE)
+                self.pools[Tier.HOST].free(host_ids[keep:])
+                del host_ids[keep:]
+        n_new = len(keys) - len(matched)
+        needed = len(tiers) - tiers.count(Tier.DEVICE) + n_new + extra_blocks
+        dev_ids = self._make_room(Tier.DEVICE, needed, ops, partial=True)
+        if len(dev_ids) < needed:
+            # Not even evicting every unreferenced block makes room: undo what is
+            # ours; copy-outs already started stay valid and are handed out apart.
+            self.pools[Tier.DEVICE].free(dev_ids)
             self.pools[Tier.HOST].free(host_ids)
             for n in matched:
                 index.unref(n)
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
-            raise NotEnoughBlocks(needed, e.free) from None
+            raise NotEnoughBlocks(needed, len(dev_ids))
+        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
 
         swap_src: dict[int, list[Node]] = {}
         prefetched: list[Node] = []
@@ -227,6 +223,7 @@ class CacheManager:
                 op = n.inflight[0]
                 if n.state[0] == FILLING and op is not None and op not in shared:
                     shared.append(op)  # type: ignore[arg-type]
+                    op.sharers.append(plan)  # type: ignore[attr-defined]
                 continue
             d = dev_ids.pop()
             device_ids.append(d)
@@ -246,6 +243,7 @@ class CacheManager:
                     op = n.inflight[1]
                     if op is not None and op.plan is not plan and op not in shared:
                         shared.append(op)  # type: ignore[arg-type]
+                        op.sharers.append(plan)  # type: ignore[attr-defined]
 
         # New blocks: indexed as COMPUTING unless someone else is computing that key.
         # (Inlined index.insert + set_copy + ref: this loop runs for every new block.)
@@ -298,17 +296,20 @@ class CacheManager:
         ops.append(op)
         return op
 
-    def _make_room(self, tier: Tier, n: int, ops: list[TransferOp]) -> list[int]:
+    def _make_room(self, tier: Tier, n: int, ops: list[TransferOp],
+                   partial: bool = False) -> list[int]:
         """Allocate ``n`` blocks on ``tier``, evicting per policy if short.
 
-        Copy-outs that evictions start are appended to ``ops`` *before* any op
-        that will overwrite the freed blocks.
+        With ``partial``, as many as can be had (evictions can fall short of
+        the unreferenced count when closure pins inner nodes); else all or
+        ``PoolExhausted``. Copy-outs that evictions start are appended to
+        ``ops`` *before* any op that will overwrite the freed blocks.
         """
         pool = self.pools[tier]
         short = n - pool.num_free
         if short > 0:
             self._evict(tier, short, ops)
-        return pool.allocate(n)
+        return pool.allocate(min(n, pool.num_free) if partial else n)
 
     def _evict(self, tier: Tier, count: int, ops: list[TransferOp]) -> int:
         """Free up to ``count`` blocks of ``tier``; returns how many were freed.
@@ -342,13 +343,16 @@ class CacheManager:
             copy_down = copy_out and self._room(lower) > 0  # type: ignore[arg-type]
             for node in index.victims(tier, copy_down):
                 other = has_other_copy(node, tier)
-                if not other and copy_down and self._room(lower) > 0:  # type: ignore[arg-type]
-                    (lid,) = self._make_room(lower, 1, ops)  # type: ignore[arg-type]
+                lid = None
+                if not other and copy_down:
+                    got = self._make_room(lower, 1, ops, partial=True)  # type: ignore[arg-type]
+                    lid = got[0] if got else None
+                if lid is not None:
                     index.set_copy(node, lower, lid, FILLING)  # type: ignore[arg-type]
                     copies.append(node)
                     src_ids.append(node.loc[tier])
                 elif node.children and not other:
-                    continue  # lower tier filled up meanwhile: an inner node must stay
+                    continue  # lower tier full after all: an inner node must stay
                 freed_ids.append(index.drop_copy(node, tier))
                 progress = True
                 if len(freed_ids) >= count:
@@ -459,11 +463,11 @@ class CacheManager:
         if not nodes:
             return
         dst = Tier(src + 1)
-        n = min(len(nodes), self._room(dst))
-        if n <= 0:
+        ids = self._make_room(dst, min(len(nodes), self._room(dst)), ops, partial=True)
+        if not ids:
             return
-        nodes = nodes[:n]
-        ids = self._make_room(dst, n, ops)
+        n = len(ids)
+        nodes = nodes[:n]  # parents first: a backed-up prefix stays a prefix
         for node, i in zip(nodes, ids, strict=True):
             self.index.set_copy(node, dst, i, FILLING)
         self.stats.backups[src] += n
@@ -500,26 +504,43 @@ class CacheManager:
         for n in op.nodes:
             if n.state[dst] != FILLING or n.inflight[dst] is not op:
                 continue
-            if dst == Tier.DEVICE and op.plan is not None and n.ref > 0:
+            owner = self._recompute_owner(op, n) if dst == Tier.DEVICE else None
+            if owner is not None:
                 n.state[dst] = COMPUTING
                 set_inflight(n, dst, None)
-                op.plan.computing.append(n)
+                owner.computing.append(n)
                 self.stats.recomputed_blocks += 1
                 continue
             self._drop_with_subtree(n, dst)
         return follow
 
+    @staticmethod
+    def _recompute_owner(op: TransferOp, node: Node) -> Plan | None:
+        """The live request that will recompute a block whose load failed.
+
+        The loading request if it still runs, else one that shared the load;
+        None when nobody waits for the block any more.
+        """
+        for plan in (op.plan, *op.sharers):
+            if plan is not None and not plan.finished and not plan.committed and (
+                node in plan.nodes
+            ):
+                return plan
+        return None
+
     def _drop_with_subtree(self, node: Node, tier: Tier) -> None:
-        """Drop a copy; if it was the node's last, unreferenced descendants go too."""
+        """Drop a copy; if it was the node's last, every descendant goes too.
+
+        Descendants are unreferenced (a reference on a block implies one on
+        its parent). Copies of theirs still being filled are dropped as well:
+        the op's completion then finds nothing to mark, and the runtime orders
+        any new writer of a freed block after the old one.
+        """
         index = self.index
-        if node.children and not any(
-            t != tier and node.state[t] in (READY, FILLING) for t in (0, 1, 2)
-        ):
+        if node.children and not has_other_copy(node, tier):
             for d in index.descendants(node):
-                if d.ref:
-                    continue
                 for t in (0, 1, 2):
-                    if d.state[t] != ABSENT and d.inflight[t] is None:
+                    if d.state[t] != ABSENT:
                         self.pools[t].free([index.drop_copy(d, t)])
         self.pools[tier].free([index.drop_copy(node, tier)])
 

@@ -1,0 +1,260 @@
+"""CacheManager: match -> plan -> commit -> finish, eviction, write policies, failures."""
+
+import pytest
+
+from kvflow.errors import ConfigError, NotEnoughBlocks
+from kvflow.manager import CacheManager, Capacities, OpKind
+from kvflow.radix import COMPUTING, FILLING, READY, Tier
+
+
+def run(m, rid, keys, extra=0):
+    p = m.plan(rid, keys, extra)
+    m.commit(p)
+    return p, m.finish(p)
+
+
+def complete_all(m, ops):
+    while ops:
+        op = ops.pop(0)
+        ops += m.complete(op)
+
+
+def test_miss_then_device_hit():
+    m = CacheManager(Capacities(8))
+    p1, _ = run(m, 1, "abc")
+    assert p1.hits(Tier.DEVICE) == 0 and len(p1.computing) == 0 and p1.num_cached == 3
+    p2 = m.plan(2, "abcd")
+    assert p2.source_tiers == [Tier.DEVICE] * 3
+    assert p2.device_ids[:3] == p1.device_ids
+    assert p2.ops == [] and [n.key for n in p2.computing] == ["d"]
+    m.check_invariants()
+
+
+def test_blocks_not_matchable_before_commit():
+    # Seed-system bug: a block could be matched before its KV was written.
+    m = CacheManager(Capacities(8))
+    p1 = m.plan(1, "abc")
+    assert m.match("abc") == []
+    p2 = m.plan(2, "abc")  # computes its own private copy instead of reading garbage
+    assert p2.num_cached == 0 and p2.private == [0, 1, 2]
+    m.commit(p1)
+    assert [n.key for n in m.match("abc")] == list("abc")
+    m.finish(p1)
+    m.commit(p2)
+    m.finish(p2)  # duplicates of indexed keys are freed, not indexed twice
+    m.check_invariants()
+    assert m.pools[0].num_used == 3
+
+
+def test_private_blocks_adopted_when_key_unknown():
+    m = CacheManager(Capacities(8))
+    p1 = m.plan(1, "ab")
+    p2 = m.plan(2, "abx")  # 'a' is being computed by 1: 2 computes a, b, x privately
+    m.commit(p1)
+    m.finish(p1)
+    m.commit(p2)
+    m.finish(p2)  # x is new and its parent b is now cached: adopted
+    assert [n.key for n in m.match("abx")] == list("abx")
+    m.check_invariants()
+
+
+def test_eviction_is_leaf_first():
+    # Seed-system bug: parents were evicted before their children.
+    for policy in ("lru", "lfu", "s3fifo"):
+        m = CacheManager(Capacities(4), eviction=policy, write_policy="write_back")
+        run(m, 1, "abcd")
+        run(m, 2, "xy")  # must evict d, c (leaves), never a or b first
+        assert [n.key for n in m.match("abcd")] == ["a", "b"], policy
+        m.check_invariants()
+
+
+def test_not_enough_blocks_changes_nothing():
+    m = CacheManager(Capacities(4, host=4))
+    p1 = m.plan(1, "abc")
+    with pytest.raises(NotEnoughBlocks) as e:
+        m.plan(2, "xyz")
+    assert (e.value.needed, e.value.available) == (3, 1)
+    assert m.pools[0].num_used == 3 and all(n.ref == 1 for n in m.index)
+    m.commit(p1)
+    m.finish(p1)
+    m.check_invariants()
+
+
+def test_write_through_backs_up_and_host_hit_swaps_in():
+    m = CacheManager(Capacities(3, host=8), write_policy="write_through")
+    _, backups = run(m, 1, "abc")
+    assert [(o.kind, o.src_tier, o.dst_tier, o.num_blocks) for o in backups] == [
+        (OpKind.BACKUP, Tier.DEVICE, Tier.HOST, 3)]
+    assert all(n.state[Tier.HOST] == FILLING for n in m.index)
+    complete_all(m, backups)
+    assert all(n.state[Tier.HOST] == READY for n in m.index)
+    _, b2 = run(m, 2, "xyz")  # evicts a, b, c from device: host copies remain
+    complete_all(m, b2)
+    p3 = m.plan(3, "abc")
+    assert p3.source_tiers == [Tier.HOST] * 3
+    (op,) = p3.ops[-1:]
+    assert op.kind == OpKind.SWAP_IN and op.dst_ids == p3.device_ids
+    m.complete(op)
+    m.commit(p3)
+    m.finish(p3)
+    m.check_invariants()
+
+
+def test_write_back_copy_out_precedes_reuse():
+    # Seed-system bug: a device block was reused before its copy-out read it.
+    m = CacheManager(Capacities(2, host=4), write_policy="write_back")
+    p1, ops = run(m, 1, "ab")
+    assert ops == []  # write_back: no backup at insert
+    p2 = m.plan(2, "xy")
+    (evict,) = p2.ops
+    assert evict.kind == OpKind.EVICT and evict.dst_tier == Tier.HOST
+    # The evicted ids are handed to the new request; the plan lists the
+    # copy-out first, and its source ids are exactly the reused ones.
+    assert sorted(evict.src_ids) == sorted(p1.device_ids) == sorted(p2.device_ids)
+    assert all(n.state[Tier.HOST] == FILLING for n in evict.nodes)
+    # A host hit on a block still being copied out shares that copy.
+    m.commit(p2)
+    m.finish(p2)
+    p3 = m.plan(3, "ab")
+    assert p3.source_tiers == [Tier.HOST, Tier.HOST]
+    assert evict in p3.shared
+    m.check_invariants()
+
+
+def test_write_through_selective_threshold():
+    m = CacheManager(Capacities(8, host=8),
+                     write_policy=__import__("kvflow.policy").policy.WritePolicy(
+                         "write_through_selective", threshold=2))
+    _, ops = run(m, 1, "ab")
+    assert ops == []  # hits 0
+    _, ops = run(m, 2, "ab")
+    assert ops == []  # hits 1
+    _, ops = run(m, 3, "ab")
+    assert len(ops) == 1 and ops[0].num_blocks == 2
+
+
+def test_storage_hit_prefetches_then_swaps_in():
+    m = CacheManager(Capacities(2, host=2, storage=8), write_policy="write_through")
+    _, ops = run(m, 1, "ab")
+    complete_all(m, ops)  # device -> host -> storage
+    assert all(n.state == [READY, READY, READY] for n in m.index)
+    for rid, keys in ((2, "cd"), (3, "ef")):
+        _, ops = run(m, rid, keys)
+        complete_all(m, ops)
+    assert m.index.get("a").best_tier() == Tier.STORAGE
+    p = m.plan(4, "ab")
+    kinds = [(o.kind, o.src_tier, o.dst_tier) for o in p.ops]
+    assert (OpKind.PREFETCH, Tier.STORAGE, Tier.HOST) in kinds
+    assert kinds[-1] == (OpKind.SWAP_IN, Tier.HOST, Tier.DEVICE)
+    assert kinds.index((OpKind.PREFETCH, Tier.STORAGE, Tier.HOST)) < len(kinds) - 1
+    m.check_invariants()
+
+
+def test_failed_swap_in_degrades_to_recompute():
+    m = CacheManager(Capacities(2, host=4), write_policy="write_through")
+    _, ops = run(m, 1, "ab")
+    complete_all(m, ops)
+    run(m, 2, "xy")
+    p = m.plan(3, "ab")
+    (op,) = [o for o in p.ops if o.kind == OpKind.SWAP_IN]
+    m.complete(op, ok=False)
+    assert [n.state[Tier.DEVICE] for n in p.computing] == [COMPUTING, COMPUTING]
+    assert m.match("ab") == []  # nobody reads what was not written
+    assert m.stats.failed_ops == 1
+    m.commit(p)  # the request recomputed them
+    m.finish(p)
+    assert [n.key for n in m.match("ab")] == ["a", "b"]
+    m.check_invariants()
+
+
+def test_failed_backup_drops_the_copy_and_frees_its_block():
+    m = CacheManager(Capacities(4, host=4), write_policy="write_through")
+    _, ops = run(m, 1, "ab")
+    m.complete(ops[0], ok=False)
+    assert all(n.state[Tier.HOST] == 0 for n in m.index)
+    assert m.pools[Tier.HOST].num_used == 0
+    m.check_invariants()
+
+
+def test_aborted_plan_leaves_nothing():
+    m = CacheManager(Capacities(4))
+    run(m, 1, "ab")
+    p = m.plan(2, "abcd", extra_blocks=0)
+    m.finish(p)  # never committed
+    assert [n.key for n in m.match("abcd")] == ["a", "b"]
+    assert m.pools[0].num_used == 2
+    m.check_invariants()
+
+
+def test_extra_blocks_are_freed():
+    m = CacheManager(Capacities(6))
+    p = m.plan(1, "ab", extra_blocks=3)
+    assert len(p.extra_ids) == 3 and m.pools[0].num_used == 5
+    m.commit(p)
+    m.finish(p)
+    assert m.pools[0].num_used == 2
+
+
+def test_capacities_validate():
+    with pytest.raises(ConfigError, match="device"):
+        Capacities(0)
+    with pytest.raises(ConfigError, match="host"):
+        Capacities(4, host=-1)
+
+
+def test_finish_twice_is_error():
+    m = CacheManager(Capacities(4))
+    p, _ = run(m, 1, "a")
+    with pytest.raises(ValueError, match="twice"):
+        m.finish(p)
+
+
+def test_backup_when_host_room_is_pinned_by_closure():
+    # Found by the stateful test: s3fifo evicted an inner node from the device
+    # (it had a host copy), leaving that host copy the only one above a device
+    # child; host room then counted it as evictable, and a backup crashed.
+    m = CacheManager(Capacities(2, 1, 0), eviction="s3fifo", write_policy="write_through")
+    p = m.plan(0, ((1,), (1, 0)))
+    m.commit(p)
+    (op,) = m.finish(p)
+    m.complete(op)
+    p2 = m.plan(1, ((0,),))
+    m.commit(p2)
+    assert m.finish(p2) == []  # no room for a backup: none is made, nothing breaks
+    m.check_invariants()
+
+
+def test_failed_backup_of_inner_node_takes_its_subtree():
+    # Found by the stateful test: both device copies were evicted while their
+    # backups were in flight; the backups failed; the parent went, leaving
+    # its child (also only ever on host) pointing at nothing.
+    m = CacheManager(Capacities(2, 2), write_policy="write_through")
+    p = m.plan(0, ((1,), (1, 0)))
+    m.commit(p)
+    (backup,) = m.finish(p)
+    m.plan(1, ((0,), (0, 0)))  # evicts both device copies: host copies are filling
+    m.complete(backup, ok=False)
+    assert m.match(((1,), (1, 0))) == []
+    assert m.pools[Tier.HOST].num_used == 0
+    m.check_invariants()
+
+
+def test_failed_shared_load_goes_to_a_live_sharer():
+    # Found by the stateful test: the loading request was aborted, the load
+    # then failed, and the block was handed to the aborted request to
+    # recompute — so it stayed "computing" forever.
+    m = CacheManager(Capacities(2, 4), write_policy="write_through")
+    _, ops = run(m, 0, "a")
+    complete_all(m, ops)
+    run(m, 1, "xy")  # a leaves the device, stays on host
+    loader = m.plan(2, "a")
+    (load,) = loader.ops
+    m.finish(loader)  # aborted while its load is in flight
+    sharer = m.plan(3, "a")
+    assert sharer.shared == [load]
+    m.complete(load, ok=False)
+    assert [n.key for n in sharer.computing] == ["a"]
+    m.commit(sharer)
+    m.finish(sharer)
+    assert [n.key for n in m.match("a")] == ["a"]
+    m.check_invariants()
