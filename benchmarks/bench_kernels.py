@@ -75,15 +75,32 @@ class Buffers:
         rt.memcpy(self.host_a.ptr, self.dev_b.data.ptr, size, MEMCPY_DEFAULT)  # random bytes
 
 
-def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKernels,
-               rng: np.random.Generator, max_memcpy_pieces: int) -> dict:
+def ceilings(buf: Buffers, reps: int) -> dict:
+    """(a) one contiguous cudaMemcpyAsync of the volume each way, and both ways at once."""
     cp = cupy_module()
     rt = cp.cuda.runtime
-    total = buf.total
-    n = total // (layers * block)          # blocks per layer moved
-    cap = 2 * n                            # blocks per layer in each pool
-    stride = cap * block
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    moved = buf.total
+
+    def h2d() -> None:
+        rt.memcpyAsync(buf.dev_a.data.ptr, buf.host_a.ptr, moved, MEMCPY_DEFAULT, s1.ptr)
+
+    def d2h(stream: object = s1) -> None:
+        rt.memcpyAsync(buf.host_b.ptr, buf.dev_b.data.ptr, moved, MEMCPY_DEFAULT, stream.ptr)
+
+    return {
+        "h2d": moved / gpu_time(h2d, s1, reps),
+        "d2h": moved / gpu_time(d2h, s1, reps),
+        "both": 2 * moved / gpu_time(lambda: (h2d(), d2h(s2)), s1, reps, (s2,)),
+    }
+
+
+def copiers(buf: Buffers, block: int, layers: int, kernels: SwapKernels,
+            rng: np.random.Generator) -> tuple[BlockCopier, BlockCopier, np.ndarray, np.ndarray]:
+    """Both directions over ``layers`` x ``2n`` blocks of ``block`` bytes; n scattered ids."""
+    n = buf.total // (layers * block)
+    cap = 2 * n
+    stride = cap * block
 
     def bases(ptr: int) -> np.ndarray:
         return np.array([[ptr + layer * stride] for layer in range(layers)], dtype=np.int64)
@@ -94,20 +111,50 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
                       min_run_bytes=0, kernels=kernels)
     src = rng.permutation(cap)[:n].astype(np.int32)
     dst = rng.permutation(cap)[:n].astype(np.int32)
-    res: dict = {"block_kb": block // 1024, "blocks_per_layer": n, "layers": layers,
-                 "bytes": n * layers * block}
+    return h2d, d2h, src, dst
+
+
+def bench_variants(buf: Buffers, layers: int, reps: int, rng: np.random.Generator) -> dict:
+    """Ours at 4 and 16 KB, 4 and 16 CTAs, for each source-load flavour of the kernel."""
+    cp = cupy_module()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    out = {}
+    for variant in (0, 1, 2, 3):
+        kernels = SwapKernels(load_variant=variant)
+        for kb in (4, 16):
+            h2d, d2h, src, dst = copiers(buf, kb << 10, layers, kernels, rng)
+            p_in, p_out = h2d.prepare(src, dst, s1), d2h.prepare(src, dst, s2)
+            moved = p_in.num_scattered * layers * (kb << 10)
+            for ctas in (4, 16):
+                t = ours_times(h2d, d2h, p_in, p_out, s1, s2, ctas, reps)
+                out[variant, kb, "h2d", ctas] = moved / t["h2d"]
+                out[variant, kb, "both", ctas] = 2 * moved / t["both"]
+    return out
+
+
+def ours_times(h2d: BlockCopier, d2h: BlockCopier, p_in: object, p_out: object,
+               s1: object, s2: object, ctas: int, reps: int) -> dict[str, float]:
+    """(c) seconds for one all-layer launch each way and both ways at once."""
+    return {
+        "h2d": gpu_time(lambda: h2d.launch(p_in, s1, ctas=ctas), s1, reps),
+        "d2h": gpu_time(lambda: d2h.launch(p_out, s1, ctas=ctas), s1, reps),
+        "both": gpu_time(lambda: (h2d.launch(p_in, s1, ctas=ctas),
+                                  d2h.launch(p_out, s2, ctas=ctas)), s1, reps, (s2,)),
+    }
+
+
+def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKernels,
+               rng: np.random.Generator, max_memcpy_pieces: int, ceil: dict) -> dict:
+    cp = cupy_module()
+    rt = cp.cuda.runtime
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    h2d, d2h, src, dst = copiers(buf, block, layers, kernels, rng)
+    n, cap = src.size, h2d.num_src_blocks
+    stride = cap * block
     moved = n * layers * block
-
-    # (a) ceiling: one contiguous copy of the same volume
-    def ceil_h2d() -> None:
-        rt.memcpyAsync(buf.dev_a.data.ptr, buf.host_a.ptr, moved, MEMCPY_DEFAULT, s1.ptr)
-
-    def ceil_d2h(stream: object = s1) -> None:
-        rt.memcpyAsync(buf.host_b.ptr, buf.dev_b.data.ptr, moved, MEMCPY_DEFAULT, stream.ptr)
-
-    res["ceil_h2d"] = moved / gpu_time(ceil_h2d, s1, reps)
-    res["ceil_d2h"] = moved / gpu_time(ceil_d2h, s1, reps)
-    res["ceil_both"] = 2 * moved / gpu_time(lambda: (ceil_h2d(), ceil_d2h(s2)), s1, reps, (s2,))
+    res: dict = {"block_kb": block // 1024, "blocks_per_layer": n, "layers": layers,
+                 "bytes": moved}
+    res.update({f"ceil_{d}": ceil[d] for d in ("h2d", "d2h", "both")})
 
     # (b) one memcpy per block, queued behind a spin so the GPU is what is timed
     pieces = min(n * layers, max_memcpy_pieces)
@@ -135,13 +182,10 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
     p_in = h2d.prepare(src, dst, s1)
     p_out = d2h.prepare(src, dst, s2)
     for ctas in CTAS:
-        res[f"ours_h2d_{ctas}"] = moved / gpu_time(lambda c=ctas: h2d.launch(p_in, s1, ctas=c),
-                                                   s1, reps)
-        res[f"ours_d2h_{ctas}"] = moved / gpu_time(lambda c=ctas: d2h.launch(p_out, s1, ctas=c),
-                                                   s1, reps)
-        res[f"ours_both_{ctas}"] = 2 * moved / gpu_time(
-            lambda c=ctas: (h2d.launch(p_in, s1, ctas=c), d2h.launch(p_out, s2, ctas=c)),
-            s1, reps, (s2,))
+        t = ours_times(h2d, d2h, p_in, p_out, s1, s2, ctas, reps)
+        res[f"ours_h2d_{ctas}"] = moved / t["h2d"]
+        res[f"ours_d2h_{ctas}"] = moved / t["d2h"]
+        res[f"ours_both_{ctas}"] = 2 * moved / t["both"]
 
     def per_layer() -> None:
         for layer in range(layers):
@@ -151,8 +195,8 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
     s1.synchronize()
     s2.synchronize()
     # spot check: the scattered copy is bit-exact
-    dev = cp.asnumpy(buf.dev_a).reshape(layers, cap, block)
-    host = buf.host_a_np.reshape(layers, cap, block)
+    dev = cp.asnumpy(buf.dev_a[: layers * stride]).reshape(layers, cap, block)
+    host = buf.host_a_np[: layers * stride].reshape(layers, cap, block)
     for layer in (0, layers - 1):
         for j in rng.integers(0, n, size=16).tolist():
             if not np.array_equal(dev[layer, dst[j]], host[layer, src[j]]):
@@ -161,9 +205,10 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
 
 
 def host_times(reps: int) -> dict:
-    """Python host time of one all-layer submission and of one backend submit (llama-3-8b)."""
+    """Python host time (us, median) of the submission path and of its pieces (llama-3-8b)."""
     cp = cupy_module()
     from kernels.backend import CudaBackend, FutureSink
+    from kernels.plan import split_runs, validate_ids
     from kvflow.layout import preset
     from kvflow.manager import OpKind, TransferOp
     from kvflow.radix import Tier
@@ -174,18 +219,45 @@ def host_times(reps: int) -> dict:
     src = rng.permutation(512)[:128].astype(np.int32)
     dst = rng.permutation(256)[:128].astype(np.int32)
     s = backend.load_stream
+    side = cp.cuda.Stream(non_blocking=True)
+    copier = backend.h2d
+    prep = copier.prepare(src, dst, s)
+    ev = cp.cuda.Event(disable_timing=True)
+
+    def noop(_: object) -> None:
+        pass
+
+    def median_us(fn: Callable[[], object], n: int = reps) -> float:
+        keep, samples = [], []
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            keep.append(fn())
+            samples.append(time.perf_counter() - t0)
+            if i % 32 == 31:
+                cp.cuda.Device().synchronize()
+                keep.clear()
+        cp.cuda.Device().synchronize()
+        return statistics.median(samples[20:]) * 1e6
+
     out: dict = {"model": spec.name, "layers": spec.num_layers, "blocks": 128}
-    keep = []
-    samples = []
-    for i in range(reps + 20):
-        t0 = time.perf_counter()
-        keep.append(backend.h2d.copy(src, dst, s))
-        samples.append(time.perf_counter() - t0)
-        if i % 16 == 15:
-            s.synchronize()
-            keep.clear()
-    s.synchronize()
-    out["all_layer_submit_us"] = statistics.median(samples[20:]) * 1e6
+    out["validate_ids"] = median_us(lambda: validate_ids(src, dst, 512, 256))
+    out["split_runs"] = median_us(lambda: split_runs(src, dst, 32))
+    out["alloc_pinned"] = median_us(lambda: cp.cuda.alloc_pinned_memory(1024))
+    out["prepare"] = median_us(lambda: copier.prepare(src, dst, s))
+    out["launch_1_layer"] = median_us(lambda: copier.launch(prep, s, 0, 1))
+    fn = copier.kernels._fn
+    args = (copier._table_ptr, copier._roles_ptr, 2, copier.chunks_per_block, 0, 1,
+            prep.ids_ptr, prep.num_scattered)
+    out["cupy_kernel_call"] = median_us(lambda: fn((8,), (1024,), args, stream=s))
+    out["event_record"] = median_us(lambda: ev.record(s))
+    out["stream_wait_event"] = median_us(lambda: side.wait_event(ev))
+    out["launch_host_func"] = median_us(lambda: side.launch_host_func(noop, None))
+    out["all_layer_submit_us"] = median_us(lambda: copier.copy(src, dst, s))
+    # Does a fresh cudaHostAlloc wait for a busy GPU? (the pinned pool hides it once warm)
+    spin(s, 0.05)
+    t0 = time.perf_counter()
+    cp.cuda.PinnedMemory(1 << 16)
+    out["fresh_host_alloc_busy_gpu"] = (time.perf_counter() - t0) * 1e6
     src_l, dst_l = src.tolist(), dst.tolist()
 
     async def submits() -> float:
@@ -218,6 +290,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-memcpy-pieces", type=int, default=2048)
+    ap.add_argument("--variant", type=int, default=-1,
+                    help="kernel load variant for the sweep; -1: the fastest of a quick comparison")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
     cp = cupy_module()
@@ -225,11 +299,25 @@ def main() -> None:
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     print(f"device: {name}, {props['multiProcessorCount']} SMs; cupy {cp.__version__}")
     buf = Buffers(args.total_mb << 20)
-    kernels = SwapKernels()
     rng = np.random.default_rng(1)
+    ceil = ceilings(buf, 3 * args.reps)
+    print("ceiling (one contiguous cudaMemcpyAsync, GB/s): "
+          + "  ".join(f"{d} {v / 1e9:.1f}" for d, v in ceil.items()))
+    variant = args.variant
+    if variant < 0:
+        var = bench_variants(buf, args.layers, args.reps, rng)
+        print("\nload variants (0 cs, 1 cs+L2::128B, 2 cs+L2::256B, 3 nc+L2::256B), GB/s:")
+        for v in (0, 1, 2, 3):
+            print(f"  variant {v}: " + "  ".join(
+                f"{kb}KB {d}@{c} {var[v, kb, d, c] / 1e9:5.1f}"
+                for kb in (4, 16) for d in ("h2d", "both") for c in (4, 16)))
+        variant = max((0, 1, 2, 3), key=lambda v: sum(x for k, x in var.items() if k[0] == v))
+        print(f"  -> sweep uses variant {variant}")
+    kernels = SwapKernels(load_variant=variant)
     rows = []
     for kb in (int(x) for x in args.sizes.split(",")):
-        r = bench_size(buf, kb << 10, args.layers, args.reps, kernels, rng, args.max_memcpy_pieces)
+        r = bench_size(buf, kb << 10, args.layers, args.reps, kernels, rng,
+                       args.max_memcpy_pieces, ceil)
         rows.append(r)
         gb = {k: v / 1e9 for k, v in r.items() if k.startswith(("ceil", "memcpy", "ours"))}
         print(f"\n{kb} KB blocks ({r['blocks_per_layer']} per layer x {r['layers']} layers), GB/s:")
@@ -238,15 +326,17 @@ def main() -> None:
             memcpy = f"{gb[f'memcpy_{d}']:6.1f}" if f"memcpy_{d}" in gb else "     -"
             print(f"  {d:4s} ceiling {gb[f'ceil_{d}']:6.1f}  per-block {memcpy}  ours {ours}")
         print(f"  h2d  ours per-layer launches @8: {gb['ours_h2d_per_layer']:6.1f}")
-    ht = host_times(200)
-    print(f"\nhost time ({ht['model']}, {ht['layers']} layers, {ht['blocks']} scattered blocks): "
-          f"all-layer submission {ht['all_layer_submit_us']:.1f} us; "
-          f"backend submit (per-layer launches + events + host funcs) "
-          f"{ht['backend_submit_us']:.1f} us")
+    ht = host_times(400)
+    print(f"\nhost time, us ({ht['model']}, {ht['layers']} layers x 2 roles, "
+          f"{ht['blocks']} scattered blocks):")
+    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in ht.items() if isinstance(v, float)))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "sizes": rows, "host": ht}, f, indent=1)
-    print("\nratio to ceiling (ours: best of <=16 CTAs, and at 8 CTAs; per-block memcpy):")
+            json.dump({"device": name, "variant": variant, "ceiling": ceil, "sizes": rows,
+                       "host": ht}, f, indent=1)
+    print(f"\nratio to ceiling (ours: best of <=16 CTAs, and at 8 CTAs; per-block memcpy); "
+          f"all-layer submission {ht['all_layer_submit_us']:.1f} us, "
+          f"backend submit {ht['backend_submit_us']:.1f} us:")
     print(" block | h2d best  h2d@8  memcpy | d2h best  d2h@8  memcpy | both best  both@8")
     for r in rows:
         cells = []

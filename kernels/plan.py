@@ -48,6 +48,9 @@ def validate_ids(
     _check_range(src, num_src_blocks, src_name)
     _check_range(dst, num_dst_blocks, dst_name)
     if dst.size > 1:
+        sd = np.sort(dst)
+        if (sd[1:] != sd[:-1]).all():
+            return src.astype(np.int32, copy=False), dst.astype(np.int32, copy=False)
         order = np.argsort(dst, kind="stable")
         sd = dst[order]
         dup = np.flatnonzero(sd[1:] == sd[:-1])
@@ -72,8 +75,8 @@ def _as_ids(ids: Sequence[int] | np.ndarray, name: str) -> np.ndarray:
 
 
 def _check_range(ids: np.ndarray, capacity: int, name: str) -> None:
-    if ids.size == 0:
-        return
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < capacity):
+        return  # the common case: two reductions, no temporaries
     bad = np.flatnonzero((ids < 0) | (ids >= capacity))
     if bad.size:
         k = int(bad[0])
@@ -115,6 +118,8 @@ def split_runs(src: np.ndarray, dst: np.ndarray, min_run_blocks: int) -> Runs:
     if min_run_blocks <= 0 or n < max(min_run_blocks, 2):
         return Runs(empty, src, dst)
     cont = (np.diff(src) == 1) & (np.diff(dst) == 1)
+    if cont.sum() < min_run_blocks - 1:
+        return Runs(empty, src, dst)  # scattered ids, the common case: no run can qualify
     # starts of maximal runs: positions where the chain breaks
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     lengths = np.diff(np.concatenate((starts, [n])))

@@ -5,7 +5,9 @@
 // a device table of per-(layer, role) base pointers for one direction and a
 // layer range (one layer: the per-layer launch; all layers: one launch).
 // Host memory from cudaHostAlloc is mapped on UVA systems, so its host address
-// is dereferenced directly; the SMs pull/push over PCIe.
+// is dereferenced directly; the SMs pull/push over PCIe. The id pairs are read
+// straight from the caller's pinned staging buffer (no upload, no device
+// allocation per op); each warp fetches its next pair while copying.
 //
 // Work is split into units of (layer, block, chunk), chunks running across the
 // roles of a block; warps take units grid-stride, layer-major, so with several
@@ -21,13 +23,13 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src ba
                    const i64 chunks_per_block,
                    const i64 layer_begin,
                    const i64 num_layers,
-                   const u64 ids_addr,     // int [num_blocks][2]: src id, dst id
+                   const u64 ids_addr,     // int2 [num_blocks]: (src id, dst id)
                    const i64 num_blocks) {
   __shared__ i64 s_bytes[kMaxRoles];
   __shared__ i64 s_first[kMaxRoles];
   const u64* __restrict__ table = reinterpret_cast<const u64*>(table_addr);
   const i64* __restrict__ roles = reinterpret_cast<const i64*>(roles_addr);
-  const int* __restrict__ ids = reinterpret_cast<const int*>(ids_addr);
+  const int2* __restrict__ ids = reinterpret_cast<const int2*>(ids_addr);
   const int nroles = static_cast<int>(num_roles);
   if (threadIdx.x < nroles) {
     s_bytes[threadIdx.x] = roles[2 * threadIdx.x];
@@ -41,11 +43,17 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src ba
   const i64 per_layer = num_blocks * chunks_per_block;
   const i64 total = per_layer * num_layers;
 
-  for (i64 u = blockIdx.x * warps_per_cta + threadIdx.x / kWarpSize; u < total; u += num_warps) {
+  i64 u = blockIdx.x * warps_per_cta + threadIdx.x / kWarpSize;
+  int2 pair = make_int2(0, 0);
+  if (u < total) pair = ids[(u % per_layer) / chunks_per_block];
+  for (; u < total; u += num_warps) {
+    // Fetch the next unit's ids now: their latency (PCIe) hides behind this copy.
+    const i64 un = u + num_warps;
+    int2 next = pair;
+    if (un < total) next = ids[(un % per_layer) / chunks_per_block];
+
     const i64 layer = u / per_layer;
-    const i64 v = u - layer * per_layer;
-    const i64 j = v / chunks_per_block;
-    const i64 c = v - j * chunks_per_block;
+    const i64 c = (u - layer * per_layer) % chunks_per_block;
     int r = 0;
 #pragma unroll
     for (int k = 1; k < kMaxRoles; ++k) {
@@ -55,11 +63,10 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src ba
     const i64 off = (c - s_first[r]) * kChunkBytes;
     const i64 len = min(static_cast<i64>(kChunkBytes), bytes - off);
     const u64* entry = table + ((layer_begin + layer) * nroles + r) * 2;
-    const i64 src_id = ids[2 * j];
-    const i64 dst_id = ids[2 * j + 1];
-    const char* src = reinterpret_cast<const char*>(entry[0]) + src_id * bytes + off;
-    char* dst = reinterpret_cast<char*>(entry[1]) + dst_id * bytes + off;
+    const char* src = reinterpret_cast<const char*>(entry[0]) + pair.x * bytes + off;
+    char* dst = reinterpret_cast<char*>(entry[1]) + pair.y * bytes + off;
     warp_copy_chunk(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
                     static_cast<int>(len / kVecBytes), lane);
+    pair = next;
   }
 }

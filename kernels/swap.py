@@ -7,15 +7,17 @@ copy-engine runs and scattered pairs, pairs uploaded — and then *launched*
 for any layer range: one layer at a time (the backend, which records an event
 after each) or all layers at once.
 
-Lifetime rule: a ``PreparedCopy`` owns the pinned staging and device id
-buffers its launches read, so keep it alive until its stream has passed them
-(the backend drops it in the op's final host callback).
+The kernel reads the id pairs straight from the op's pinned staging buffer
+(mapped host memory): no device allocation and no upload per op. Lifetime
+rule: a ``PreparedCopy`` owns that buffer, so keep it alive until its stream
+has passed the last launch (the backend drops it in the op's final host
+callback). Launch from one thread at a time (the event loop's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,6 +37,8 @@ from kernels.plan import (
 THREADS = 1024
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
 DEFAULT_CTAS = 8
+#: Default source-load flavour (``KVFLOW_LOAD_VARIANT`` in ``swap_copy.cuh``).
+DEFAULT_LOAD_VARIANT = 0
 #: Default run size (bytes per layer, all roles) from which a run goes to the copy engine.
 #: A memcpy costs microseconds of setup, so only long runs win there.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
@@ -45,12 +49,28 @@ _MAX_PITCH = (1 << 31) - 1
 
 
 class SwapKernels:
-    """The compiled swap kernel on one device."""
+    """The compiled swap kernel on one device, with a lean launch path.
 
-    def __init__(self, device: int | None = None) -> None:
+    CuPy's generic kernel call converts every argument on every launch; the
+    backend launches once per layer per op, so this packs the eight 64-bit
+    arguments into one reused buffer and calls ``cuLaunchKernel`` directly
+    (the driver copies the arguments at launch, so the buffer is free again
+    at once).
+    """
+
+    def __init__(self, device: int | None = None, load_variant: int = DEFAULT_LOAD_VARIANT) -> None:
         cp = cupy_module()
         self.device = cp.cuda.runtime.getDevice() if device is None else device
-        self._fn = load_module("swap.cu", self.device).get_function("kvflow_swap_blocks")
+        self.load_variant = load_variant
+        module = load_module("swap.cu", self.device, (f"KVFLOW_LOAD_VARIANT={load_variant}",))
+        self._fn = module.get_function("kvflow_swap_blocks")
+        self._params = np.zeros(8, dtype=np.int64)
+        self._argv = np.array([self._params.ctypes.data + 8 * i for i in range(8)],
+                              dtype=np.uint64)
+        self._argv_ptr = int(self._argv.ctypes.data)
+        raw = getattr(cp.cuda.driver, "launchKernel", None)
+        fptr = getattr(self._fn, "ptr", None)
+        self._raw = (raw, int(fptr)) if raw is not None and fptr else None
 
     def launch(
         self,
@@ -71,11 +91,13 @@ class SwapKernels:
         if warps <= 0:
             return
         grid = max(1, min(ctas, -(-warps // (THREADS // 32))))
-        self._fn(
-            (grid,), (THREADS,),
-            (table, roles, num_roles, chunks_per_block, layer_begin, num_layers, ids, num_blocks),
-            stream=stream,
-        )
+        args = (table, roles, num_roles, chunks_per_block, layer_begin, num_layers, ids, num_blocks)
+        if self._raw is None:
+            self._fn((grid,), (THREADS,), args, stream=stream)
+            return
+        self._params[:] = args
+        raw, fptr = self._raw
+        raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream.ptr, self._argv_ptr, 0)
 
 
 @dataclass(eq=False)
@@ -84,13 +106,11 @@ class PreparedCopy:
 
     runs: Runs
     num_scattered: int
-    ids_dev: object = None   # cupy int32 [2 * num_scattered] on device
-    staging: object = None   # pinned host memory the ids were uploaded from
-    keep: list[object] = field(default_factory=list)
+    staging: object = None   # pinned (mapped) host int32 [num_scattered, 2], read by the kernel
 
     @property
     def ids_ptr(self) -> int:
-        return int(self.ids_dev.data.ptr) if self.ids_dev is not None else 0
+        return int(self.staging.ptr) if self.staging is not None else 0
 
 
 class BlockCopier:
@@ -134,6 +154,7 @@ class BlockCopier:
         with cp.cuda.Device(self.kernels.device):
             self._table = cp.asarray(table)
             self._roles = cp.asarray(roles)
+        self._table_ptr, self._roles_ptr = int(self._table.data.ptr), int(self._roles.data.ptr)
         # 2-D memcpy over all layers needs a constant layer stride on both sides.
         self._strides: list[tuple[int, int] | None] = []
         for r in range(self.num_roles):
@@ -149,7 +170,11 @@ class BlockCopier:
         dst_ids: Sequence[int] | np.ndarray,
         stream: object,
     ) -> PreparedCopy:
-        """Validate ids (``InvalidBlockId``: nothing enqueued), split them, upload on ``stream``."""
+        """Validate ids (``InvalidBlockId``: nothing enqueued), split them, stage them pinned.
+
+        ``stream`` is unused now (the kernel reads the staging buffer directly)
+        and kept so callers need not change if ids move to device memory.
+        """
         src, dst = validate_ids(
             src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks,
             src_name=self.src_name, dst_name=self.dst_name,
@@ -158,17 +183,9 @@ class BlockCopier:
         n = int(runs.src.size)
         prep = PreparedCopy(runs, n)
         if n:
-            cp = self._cp
-            nbytes = 8 * n
-            staging = cp.cuda.alloc_pinned_memory(nbytes)
-            host = np.ndarray((2 * n,), dtype=np.int32, buffer=staging)
-            pack_ids(runs.src, runs.dst, out=host)
-            with cp.cuda.Device(self.kernels.device):
-                ids_dev = cp.empty(2 * n, dtype=np.int32)
-            cp.cuda.runtime.memcpyAsync(
-                ids_dev.data.ptr, staging.ptr, nbytes, _MEMCPY_DEFAULT, stream.ptr
-            )
-            prep.ids_dev, prep.staging = ids_dev, staging
+            staging = self._cp.cuda.alloc_pinned_memory(8 * n)
+            pack_ids(runs.src, runs.dst, out=np.ndarray((2 * n,), dtype=np.int32, buffer=staging))
+            prep.staging = staging
         return prep
 
     # ------------------------------------------------------------------ launch
@@ -194,8 +211,8 @@ class BlockCopier:
         if prep.num_scattered:
             self.kernels.launch(
                 stream,
-                table=int(self._table.data.ptr),
-                roles=int(self._roles.data.ptr),
+                table=self._table_ptr,
+                roles=self._roles_ptr,
                 num_roles=self.num_roles,
                 chunks_per_block=self.chunks_per_block,
                 layer_begin=layer_begin,

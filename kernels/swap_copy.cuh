@@ -7,6 +7,14 @@
 // rest of the GPU to compute.
 #pragma once
 
+// How source vectors are loaded (a compile-time choice the benchmark compares):
+// 0: ld.global.cs (streaming); 1: + L2::128B prefetch; 2: + L2::256B prefetch;
+// 3: ld.global.nc + L2::256B. A larger L2 prefetch asks for more bytes per
+// PCIe read request when the source is pinned host memory.
+#ifndef KVFLOW_LOAD_VARIANT
+#define KVFLOW_LOAD_VARIANT 0
+#endif
+
 namespace kvflow {
 
 typedef unsigned long long u64;
@@ -20,6 +28,24 @@ constexpr int kChunkBytes = kWarpSize * kVecBytes * kUnroll;
 // Roles per layer (K, V, scales, indexer...); kernels/plan.py MAX_ROLES must match.
 constexpr int kMaxRoles = 8;
 
+__device__ __forceinline__ uint4 load_vec(const uint4* p) {
+#if KVFLOW_LOAD_VARIANT == 0
+  return __ldcs(p);
+#else
+  uint4 v;
+#if KVFLOW_LOAD_VARIANT == 1
+  asm("ld.global.cs.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];"
+#elif KVFLOW_LOAD_VARIANT == 2
+  asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+#else
+  asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+#endif
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+#endif
+}
+
 // Copy nvec 16-byte vectors (nvec <= kWarpSize * kUnroll) with the whole warp:
 // all loads are issued before the first store so 8 requests per lane are in flight.
 __device__ __forceinline__ void warp_copy_chunk(const uint4* __restrict__ src,
@@ -29,7 +55,7 @@ __device__ __forceinline__ void warp_copy_chunk(const uint4* __restrict__ src,
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     const int i = lane + k * kWarpSize;
-    if (i < nvec) buf[k] = __ldcs(src + i);  // streamed: read once, keep out of L1/L2
+    if (i < nvec) buf[k] = load_vec(src + i);
   }
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
