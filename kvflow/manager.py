@@ -212,8 +212,12 @@ class CacheManager:
             raise NotEnoughBlocks(needed, len(dev_ids))
         plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
 
-        swap_src: dict[int, list[Node]] = {}
-        prefetched: list[Node] = []
+        # Three swap-in groups, one op each, so that a prefetch cut short only
+        # fails the blocks that depended on it: host hits, storage hits staged
+        # through host, and storage hits read straight to device (no host tier).
+        from_host: list[Node] = []
+        staged: list[Node] = []
+        direct: list[Node] = []
         device_ids = plan.device_ids
         shared = plan.shared
         for n, t in zip(matched, tiers, strict=True):
@@ -228,22 +232,24 @@ class CacheManager:
             d = dev_ids.pop()
             device_ids.append(d)
             index.set_copy(n, Tier.DEVICE, d, FILLING)
-            if t == Tier.STORAGE and host_ids:
-                index.set_copy(n, Tier.HOST, host_ids.pop(), FILLING)
-                prefetched.append(n)
-                t = Tier.HOST
-            swap_src.setdefault(t, []).append(n)
-        if prefetched:
-            self._op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, prefetched, ops, plan)
-        for t, nodes in swap_src.items():
-            self._op(OpKind.SWAP_IN, Tier(t), Tier.DEVICE, nodes, ops, plan)
             if t == Tier.HOST:
-                # A host copy being filled by an op of another plan: ours reads after it.
-                for n in nodes:
-                    op = n.inflight[1]
-                    if op is not None and op.plan is not plan and op not in shared:
-                        shared.append(op)  # type: ignore[arg-type]
-                        op.sharers.append(plan)  # type: ignore[attr-defined]
+                from_host.append(n)
+                # A host copy still being filled by another plan's op: ours reads after it.
+                op = n.inflight[1]
+                if op is not None and op not in shared:
+                    shared.append(op)  # type: ignore[arg-type]
+                    op.sharers.append(plan)  # type: ignore[attr-defined]
+            elif host_ids:
+                index.set_copy(n, Tier.HOST, host_ids.pop(), FILLING)
+                staged.append(n)
+            else:
+                direct.append(n)
+        if staged:
+            self._op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, staged, ops, plan)
+        for src, nodes in ((Tier.HOST, from_host), (Tier.HOST, staged),
+                           (Tier.STORAGE, direct)):
+            if nodes:
+                self._op(OpKind.SWAP_IN, src, Tier.DEVICE, nodes, ops, plan)
 
         # New blocks: indexed as COMPUTING unless someone else is computing that key.
         # (Inlined index.insert + set_copy + ref: this loop runs for every new block.)

@@ -1,0 +1,355 @@
+"""The asyncio runtime: every planned copy becomes an awaitable ``TransferTask``.
+
+A task is returned the moment its op is submitted; the backend (simulated or
+CUDA) moves the bytes and reports each layer as it lands. Callers await the
+whole task or just ``task.layer(i)``, which is what lets compute of layer i
+start while layers i+1.. are still in flight.
+
+Ordering is enforced here, not by callers. For every block an op reads or
+writes, the runtime remembers the in-flight op that writes it and the ones
+that read it; a new op is started *after* (layer by layer) any in-flight op it
+would race with:
+
+* read after write — a swap-in reading a host block that a prefetch or an
+  eviction is still filling;
+* write after read — a swap-in or eviction overwriting a device block whose
+  previous content another copy-out is still reading (the write_back case);
+* write after write.
+
+A read-after-write dependency that fails makes its readers fail too (they
+would read bytes that never arrived). Every failure or cancellation is
+reported to the manager, which marks the blocks not resident and hands them to
+a request to recompute: a failed load degrades to recompute, never to wrong
+data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kvflow.backend import TransferBackend
+from kvflow.errors import TransferError
+from kvflow.manager import CacheManager, OpKind, TransferOp
+from kvflow.radix import Tier
+
+#: Link name per (src tier, dst tier), as reports and backends name them.
+LINKS: dict[tuple[int, int], str] = {
+    (Tier.HOST, Tier.DEVICE): "h2d",
+    (Tier.DEVICE, Tier.HOST): "d2h",
+    (Tier.STORAGE, Tier.HOST): "storage_read",
+    (Tier.STORAGE, Tier.DEVICE): "storage_read",
+    (Tier.HOST, Tier.STORAGE): "storage_write",
+    (Tier.DEVICE, Tier.STORAGE): "storage_write",
+}
+
+
+class TaskState(str, Enum):
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class TransferTask:
+    """One op in flight. ``await task`` for all of it, ``await task.layer(i)`` for layer i.
+
+    Awaiting raises ``TransferError`` if the transfer failed or was cancelled
+    before the awaited part landed. The task is also the backend's
+    ``LayerSink``: the backend reports progress straight into it.
+    """
+
+    __slots__ = ("_done", "_layer_futs", "_poison", "_raw_dependents", "_runtime", "deps",
+                 "error", "handle", "layers_done", "num_layers", "op", "state")
+
+    def __init__(self, runtime: Runtime, op: TransferOp, num_layers: int) -> None:
+        self._runtime = runtime
+        self.op = op
+        self.num_layers = num_layers
+        self.state = TaskState.RUNNING
+        self.layers_done = 0
+        self.error: BaseException | None = None
+        self.handle: object = None
+        self.deps: list[TransferTask] = []
+        self._layer_futs: dict[int, asyncio.Future[None]] | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._raw_dependents: list[TransferTask] = []
+        # Set when a source this task reads from failed: whatever the backend
+        # reports at the end, the bytes written are not valid.
+        self._poison: BaseException | None = None
+
+    # -- what it is -------------------------------------------------------------
+    @property
+    def kind(self) -> OpKind:
+        return self.op.kind
+
+    @property
+    def blocks(self) -> tuple[list[int], list[int]]:
+        """(source ids, destination ids)."""
+        return self.op.src_ids, self.op.dst_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.state is not TaskState.RUNNING
+
+    @property
+    def ok(self) -> bool:
+        return self.state is TaskState.DONE
+
+    def __repr__(self) -> str:
+        op = self.op
+        return (f"TransferTask(op={op.op_id}, {op.kind.value}, {op.src_tier.name.lower()}->"
+                f"{op.dst_tier.name.lower()}, blocks={op.num_blocks}, {self.state.value}, "
+                f"layers={self.layers_done}/{self.num_layers})")
+
+    # -- awaiting ------------------------------------------------------------------
+    def layer(self, i: int) -> asyncio.Future[None]:
+        """A future resolved when layer ``i`` has landed (or failed)."""
+        loop = self._runtime.loop
+        if i < self.layers_done:
+            fut = loop.create_future()
+            fut.set_result(None)
+            return fut
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} out of range [0, {self.num_layers})")
+        if self.finished:
+            fut = loop.create_future()
+            fut.set_exception(self._failure())
+            return fut
+        if self._layer_futs is None:
+            self._layer_futs = {}
+        fut = self._layer_futs.get(i)
+        if fut is None:
+            fut = self._layer_futs[i] = loop.create_future()
+        return fut
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future resolved when the whole transfer has landed (or failed)."""
+        if self._done is None:
+            self._done = self._runtime.loop.create_future()
+            if self.state is TaskState.DONE:
+                self._done.set_result(None)
+            elif self.finished:
+                self._done.set_exception(self._failure())
+        return self._done
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self.wait().__await__()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the transfer; its blocks become not resident (recompute)."""
+        self._runtime.cancel(self, reason)
+
+    def _failure(self) -> TransferError:
+        err = self.error
+        if isinstance(err, TransferError):
+            return err
+        what = "cancelled" if self.state is TaskState.CANCELLED else "failed"
+        e = TransferError(f"{self.op.kind.value} op {self.op.op_id} {what}: {err!r}")
+        e.__cause__ = err
+        return e
+
+    # -- LayerSink (called by the backend, on the loop thread) ---------------------
+    def layer_done(self, layer: int) -> None:
+        if self.finished or self._poison is not None:
+            return
+        self.layers_done = layer + 1
+        futs = self._layer_futs
+        if futs:
+            for i in [i for i in futs if i <= layer]:
+                fut = futs.pop(i)
+                if not fut.done():
+                    fut.set_result(None)
+
+    def done(self, error: BaseException | None = None) -> None:
+        if self.finished:
+            return
+        if self._poison is not None:
+            error = self._poison
+        if error is None:
+            self.layers_done = self.num_layers
+            self.state = TaskState.DONE
+        else:
+            self.error = error
+            self.state = (TaskState.CANCELLED if isinstance(error, asyncio.CancelledError)
+                          else TaskState.FAILED)
+        futs = self._layer_futs
+        if futs:
+            exc = None if error is None else self._failure()
+            for fut in futs.values():
+                if not fut.done():
+                    if exc is None:
+                        fut.set_result(None)
+                    else:
+                        fut.set_exception(exc)
+                        fut.exception()  # a layer nobody awaits any more is not an error
+            self._layer_futs = None
+        if self._done is not None and not self._done.done():
+            if error is None:
+                self._done.set_result(None)
+            else:
+                self._done.set_exception(self._failure())
+                self._done.exception()
+        self._runtime._finished(self)
+
+
+@dataclass
+class RuntimeMetrics:
+    """What the runtime moved and what went wrong, for the report."""
+
+    bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("h2d", "d2h", "storage_read", "storage_write"), 0))
+    ops: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in OpKind})
+    blocks: dict[str, int] = field(default_factory=lambda: {k.value: 0 for k in OpKind})
+    failed: int = 0
+    cancelled: int = 0
+    dependency_failures: int = 0
+    prefetch: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("issued", "completed", "cancelled", "failed"), 0))
+
+
+class Runtime:
+    """Turns ops into tasks on a backend, in a safe order, and reports back to the manager."""
+
+    def __init__(self, manager: CacheManager, backend: TransferBackend,
+                 bytes_per_block: int, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.manager = manager
+        self.backend = backend
+        self.bytes_per_block = bytes_per_block
+        self.loop = loop or asyncio.get_running_loop()
+        self.metrics = RuntimeMetrics()
+        self.tasks: dict[int, TransferTask] = {}  # op id -> task, while in flight
+        # Per tier: block id -> the in-flight task writing it / tasks reading it.
+        self._writer: list[dict[int, TransferTask]] = [{}, {}, {}]
+        self._readers: list[dict[int, list[TransferTask]]] = [{}, {}, {}]
+        self._idle: asyncio.Event | None = None
+
+    # -- submission -------------------------------------------------------------
+    def submit(self, op: TransferOp, deadline: float | None = None) -> TransferTask:
+        """Start ``op`` now (after whatever it must follow); returns its task at once.
+
+        ``deadline`` (loop time): cancel the transfer if it has not landed by then.
+        """
+        task = TransferTask(self, op, self.backend.num_layers)
+        deps: dict[int, TransferTask] = {}
+        raw: list[TransferTask] = []
+        src, dst = op.src_tier, op.dst_tier
+        writer_s, writer_d = self._writer[src], self._writer[dst]
+        readers_s, readers_d = self._readers[src], self._readers[dst]
+        for b in op.src_ids:
+            w = writer_s.get(b)
+            if w is not None and id(w) not in deps:
+                deps[id(w)] = w
+                raw.append(w)
+            readers_s.setdefault(b, []).append(task)
+        for b in op.dst_ids:
+            w = writer_d.get(b)
+            if w is not None:
+                deps[id(w)] = w
+            for r in readers_d.get(b, ()):
+                deps[id(r)] = r
+            writer_d[b] = task
+        task.deps = list(deps.values())
+        for w in raw:
+            w._raw_dependents.append(task)
+        self.tasks[op.op_id] = task
+        m = self.metrics
+        m.ops[op.kind.value] += 1
+        m.blocks[op.kind.value] += op.num_blocks
+        if op.kind is OpKind.PREFETCH:
+            m.prefetch["issued"] += 1
+        if self._idle is not None:
+            self._idle.clear()
+        task.handle = self.backend.submit(op, task, [d.handle for d in task.deps])
+        if deadline is not None and not task.finished:
+            self.loop.call_at(deadline, self._expire, task)
+        return task
+
+    def submit_all(self, ops: Iterable[TransferOp]) -> list[TransferTask]:
+        return [self.submit(op) for op in ops]
+
+    def task_of(self, op: TransferOp) -> TransferTask | None:
+        """The in-flight task of ``op`` (None once it has finished)."""
+        return self.tasks.get(op.op_id)
+
+    def pending_readers(self, tier: int, block_ids: Iterable[int]) -> list[TransferTask]:
+        """In-flight tasks still reading any of these blocks.
+
+        Compute that writes new KV into recycled device blocks waits for these,
+        layer by layer, exactly as a transfer would.
+        """
+        readers = self._readers[tier]
+        out: dict[int, TransferTask] = {}
+        for b in block_ids:
+            for r in readers.get(b, ()):
+                out[id(r)] = r
+        return list(out.values())
+
+    # -- cancellation ---------------------------------------------------------------
+    def cancel(self, task: TransferTask, reason: str = "cancelled") -> None:
+        """Ask the backend to stop ``task``.
+
+        The task settles (as cancelled) when the backend reports it done — for
+        a GPU, once work already queued has drained — so its blocks are never
+        handed out while a copy may still be writing them.
+        """
+        if task.finished:
+            return
+        if task._poison is None:
+            task._poison = asyncio.CancelledError(reason)
+        self.backend.cancel(task.handle)
+
+    def _expire(self, task: TransferTask) -> None:
+        if not task.finished:
+            self.cancel(task, "deadline passed")
+
+    # -- completion ------------------------------------------------------------------
+    def _finished(self, task: TransferTask) -> None:
+        op = task.op
+        self.tasks.pop(op.op_id, None)
+        writer_d = self._writer[op.dst_tier]
+        for b in op.dst_ids:
+            if writer_d.get(b) is task:
+                del writer_d[b]
+        readers_s = self._readers[op.src_tier]
+        for b in op.src_ids:
+            lst = readers_s[b]  # registered in submit, once per source block
+            lst.remove(task)
+            if not lst:
+                del readers_s[b]
+        m = self.metrics
+        ok = task.state is TaskState.DONE
+        if ok:
+            m.bytes[LINKS[(op.src_tier, op.dst_tier)]] += op.num_blocks * self.bytes_per_block
+        elif task.state is TaskState.CANCELLED:
+            m.cancelled += 1
+        else:
+            m.failed += 1
+        if op.kind is OpKind.PREFETCH:
+            key = {TaskState.DONE: "completed", TaskState.CANCELLED: "cancelled"}.get(
+                task.state, "failed")
+            m.prefetch[key] += 1
+        if not ok:
+            for dep in task._raw_dependents:
+                if not dep.finished:
+                    m.dependency_failures += 1
+                    dep._poison = TransferError(
+                        f"{dep.op.kind.value} op {dep.op.op_id}: its source "
+                        f"(op {op.op_id}) did not land")
+                    self.backend.cancel(dep.handle)
+        task._raw_dependents = []
+        for follow in self.manager.complete(op, ok):
+            self.submit(follow)
+        if not self.tasks and self._idle is not None:
+            self._idle.set()
+
+    async def drain(self) -> None:
+        """Wait until no transfer is in flight (follow-ups included)."""
+        while self.tasks:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            self._idle.clear()
+            await self._idle.wait()
