@@ -5,16 +5,157 @@ User errors exit with code 2 and one line on stderr, never a traceback.
 
 from __future__ import annotations
 
-import typer
+import json
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any
 
-from traces.cli import trace_app
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvflow.errors import KvflowError
+from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 
 app = typer.Typer(
     help="kvflow: KV-cache tiering for LLM serving — simulate with real traces, or run on a GPU.",
     no_args_is_help=True,
+    cls=OneLineGroup,
     pretty_exceptions_enable=False,
 )
 app.add_typer(trace_app, name="trace")
+
+
+class Mode(str, Enum):
+    full = "full"
+    cache = "cache"
+
+
+def _fmt_s(summary: dict[str, float] | None, key: str) -> str:
+    if not summary:
+        return "-"
+    v = summary[key]
+    return f"{v * 1e3:.1f} ms" if v < 10 else f"{v:.2f} s"
+
+
+def print_summary(report: dict[str, Any], console: Console) -> None:
+    """The replay's headline numbers as rich tables."""
+    cfg = report["config"]
+    t = Table(title=f"kvflow replay — {Path(cfg['trace']).name}, {cfg['model']} on "
+                    f"{cfg['profile']}, {cfg['mode']} mode")
+    t.add_column("tier")
+    t.add_column("blocks", justify="right")
+    t.add_column("hit rate", justify="right")
+    t.add_column("evictions", justify="right")
+    for tier in ("device", "host", "storage"):
+        t.add_row(tier, f"{cfg[f'{tier}_blocks']:,}", f"{report['hit_rate'][tier]:.1%}",
+                  f"{report['evictions'][tier]:,}")
+    t.add_row("total", "", f"{report['hit_rate']['total']:.1%}", "", style="bold")
+    console.print(t)
+    if report.get("ttft_s"):
+        lat = Table(title=f"{report['requests']:,} requests in {report['sim_time_s']:.1f} s "
+                          f"simulated ({report['wall_s']:.1f} s wall)")
+        lat.add_column("latency")
+        for k in ("mean", "p50", "p90", "p99"):
+            lat.add_column(k, justify="right")
+        for name in ("ttft_s", "tpot_s", "e2e_s"):
+            lat.add_row(name[:-2].upper(), *(_fmt_s(report[name], k)
+                                             for k in ("mean", "p50", "p90", "p99")))
+        console.print(lat)
+        thr = report["throughput"]
+        util = report["link_utilization"]
+        gb = {k: v / 1e9 for k, v in report["bytes"].items()}
+        console.print(
+            f"throughput {thr['requests_per_s']:.2f} req/s, "
+            f"{thr['output_tokens_per_s']:,.0f} output tok/s; "
+            f"moved h2d {gb['h2d']:,.1f} GB ({util['h2d']:.1%} busy), "
+            f"d2h {gb['d2h']:,.1f} GB ({util['d2h']:.1%}), "
+            f"storage read {gb['storage_read']:,.1f} GB, write {gb['storage_write']:,.1f} GB")
+        err = report["errors"]
+        if err["failed_transfers"] or report["rejected"]:
+            console.print(f"[yellow]{err['failed_transfers']} transfers failed or cancelled, "
+                          f"{err['recomputed_blocks']} blocks recomputed, "
+                          f"{report['rejected']} requests rejected[/yellow]")
+    else:
+        console.print(f"{report['requests']:,} requests replayed for hit rates in "
+                      f"{report['wall_s']:.1f} s")
+
+
+@app.command(cls=OneLineCommand, epilog=(
+    "Examples:\n\n"
+    "  kvflow replay                              # the bundled sample, defaults\n\n"
+    "  kvflow replay trace.jsonl --host-gb 128 --eviction s3fifo --out report.json\n\n"
+    "  kvflow replay trace.jsonl --mode cache --device-blocks 2000 --host-blocks 0"))
+def replay(
+    trace: Annotated[str | None, typer.Argument(
+        help="Trace file (Mooncake JSONL, Azure CSV, generic JSONL; .gz ok) or "
+             "sample:NAME. Default: the bundled 1k-request Mooncake sample.")] = None,
+    model: Annotated[str, typer.Option(help="Model preset (see kvflow.layout.PRESETS).")] =
+    "llama-3-8b",
+    profile: Annotated[str, typer.Option(
+        "--profile", "--gpu", help="GPU profile: h100, h200, a100, or a TOML file.")] = "h100",
+    device_blocks: Annotated[int | None, typer.Option(
+        help="Device tier size in blocks (default: GPU memory left after weights).")] = None,
+    host_blocks: Annotated[int | None, typer.Option(
+        help="Host tier size in blocks; 0 = no host tier (default 256 GB).")] = None,
+    storage_blocks: Annotated[int | None, typer.Option(
+        help="Storage tier size in blocks; 0 = none (default 2 TB).")] = None,
+    device_gb: Annotated[float | None, typer.Option(help="Device tier in GiB.")] = None,
+    host_gb: Annotated[float | None, typer.Option(help="Host tier in GiB.")] = None,
+    storage_gb: Annotated[float | None, typer.Option(help="Storage tier in GiB.")] = None,
+    eviction: Annotated[str, typer.Option(help="lru, lfu or s3fifo.")] = "lru",
+    write_policy: Annotated[str, typer.Option(
+        help="write_through, write_through_selective or write_back.")] = "write_through",
+    write_threshold: Annotated[int, typer.Option(
+        help="Hits before backup, for write_through_selective.")] = 1,
+    prefetch_policy: Annotated[str, typer.Option(
+        help="best_effort, wait_complete or timeout.")] = "best_effort",
+    mode: Annotated[Mode, typer.Option(
+        help="full: timed simulation; cache: hit rates only, in arrival order.")] = Mode.full,
+    seed: Annotated[int, typer.Option(help="Seed (recorded in the report).")] = 0,
+    limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
+    max_batch_tokens: Annotated[int, typer.Option(help="Token budget per engine step.")] = 8192,
+    skip_bad: Annotated[bool, typer.Option(help="Skip malformed trace lines.")] = False,
+    out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Replay a request trace through kvflow on the simulated memory hierarchy."""
+    from sim.replay import ReplayConfig, run_replay
+
+    if out is not None and out.exists() and not force:
+        fail(f"{out} exists; pass --force to overwrite")
+    console = Console(stderr=as_json)
+    with user_errors():
+        try:
+            cfg = ReplayConfig(
+                trace=str(resolve_path(trace)) if trace else None, model=model, profile=profile,
+                device_blocks=device_blocks, host_blocks=host_blocks,
+                storage_blocks=storage_blocks, device_gb=device_gb, host_gb=host_gb,
+                storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
+                write_threshold=write_threshold, prefetch_policy=prefetch_policy,
+                mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
+                skip_bad=skip_bad)
+            with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+                          TextColumn("requests"), TimeElapsedColumn(), console=console,
+                          transient=True) as bar:
+                task = bar.add_task("replay", total=None)
+                report = run_replay(
+                    cfg, progress=lambda done, total: bar.update(task, completed=done,
+                                                                 total=total))
+        except KvflowError as exc:
+            fail(str(exc))
+    if out is not None:
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(out)
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+    else:
+        print_summary(report, console)
+        if out is not None:
+            console.print(f"report written to {out}")
 
 
 if __name__ == "__main__":

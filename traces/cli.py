@@ -59,7 +59,7 @@ class _OneLineCommand(TyperCommand):
         except _UsageError as exc:
             if type(exc).__name__ == "NoArgsIsHelpError":  # prints the help; leave it be
                 raise
-            _fail(f"kvflow trace {self.name}: {_usage_line(exc)}")
+            _fail(f"{ctx.command_path}: {_usage_line(exc)}")
 
 
 class _OneLineGroup(TyperGroup):
@@ -67,7 +67,8 @@ class _OneLineGroup(TyperGroup):
         try:
             return super().resolve_command(ctx, args)
         except _UsageError as exc:
-            _fail(f"kvflow trace: {_usage_line(exc)} (commands: stats, gen, convert)")
+            commands = ", ".join(self.list_commands(ctx))
+            _fail(f"{ctx.command_path}: {_usage_line(exc)} (commands: {commands})")
 
 
 trace_app = typer.Typer(
@@ -90,11 +91,21 @@ def _user_errors() -> Iterator[None]:
         _fail(str(exc))
 
 
+# The same plumbing serves every ``kvflow`` command (see cli.py).
+fail = _fail
+OneLineCommand = _OneLineCommand
+OneLineGroup = _OneLineGroup
+user_errors = _user_errors
+
+
 def _resolve(path: str) -> Path:
     """A path, or ``sample:NAME`` for a bundled sample (works from any directory)."""
     if path.startswith(SAMPLE_PREFIX) and not Path(path).exists():
         return sample_path(path[len(SAMPLE_PREFIX) :] or "conversation_1k.jsonl")
     return Path(path)
+
+
+resolve_path = _resolve
 
 
 def _open(path: str, fmt: str, skip_bad: bool, block_tokens: int | None) -> Trace:

@@ -1,0 +1,329 @@
+"""A reference serving loop with continuous batching, written once for both worlds.
+
+Requests arrive, are matched and planned (device blocks for the whole request
+are reserved at admission, so a running request is never preempted), wait for
+their storage prefetch as the prefetch policy says, are prefilled in chunks
+under a per-step token budget, then decoded one token per step. Each step's
+compute is handed to a ``ComputeExecutor`` together with the transfers it
+depends on: the simulated executor sleeps for the cost model's time, layer by
+layer, after each layer's loads; the GPU executor enqueues real kernels behind
+device-side waits. The engine itself never blocks on a layer.
+
+A load that fails or is cut short never yields wrong data: the manager hands
+the blocks to the request to recompute, and the engine moves the request's
+prefill start back to the first such block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvflow.errors import ConfigError, NotEnoughBlocks, TransferError
+from kvflow.manager import CacheManager, OpKind, Plan
+from kvflow.policy import PrefetchPolicy
+from kvflow.radix import Tier
+from kvflow.runtime import Runtime, TransferTask
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """What the engine needs of a request: its block keys and its lengths."""
+
+    request_id: Hashable
+    arrival_s: float
+    keys: tuple[Hashable, ...]
+    input_len: int
+    output_len: int
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_tokens: int
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("block_tokens", "max_batch_tokens", "max_running"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"EngineConfig.{name} must be positive")
+
+
+@dataclass
+class StepBatch:
+    """One step's work: prefill chunks and decode tokens.
+
+    ``prefill`` items are ``(new_tokens, context_tokens_before)``; ``decode``
+    items are the context lengths of the decoding requests.
+    """
+
+    prefill: list[tuple[int, int]] = field(default_factory=list)
+    decode: list[int] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for n, _ in self.prefill) + len(self.decode)
+
+
+class ComputeExecutor(Protocol):
+    """Runs one step's compute; the world-specific half of the engine."""
+
+    async def run_step(self, batch: StepBatch, waits: Sequence[TransferTask]) -> None:
+        """Compute ``batch``; layer i may start only once layer i of each wait landed.
+
+        Raises ``TransferError`` if a wait failed; the engine then redoes the
+        step for the affected requests.
+        """
+        ...
+
+
+@dataclass(eq=False)
+class RequestState:
+    req: EngineRequest
+    plan: Plan | None = None
+    tasks: list[TransferTask] = field(default_factory=list)     # everything a step waits on
+    shared: list[TransferTask] = field(default_factory=list)    # other requests' loads
+    prefetch: list[TransferTask] = field(default_factory=list)
+    ready: bool = False             # prefetch settled, may be scheduled
+    waited: bool = False            # its loads have been waited for by a step
+    prefilled: int = 0              # prompt tokens whose KV exists
+    generated: int = 0
+    admit_s: float = 0.0
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    hits: tuple[int, int, int] = (0, 0, 0)
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    admitted: int = 0
+    finished: int = 0
+    rejected: int = 0
+    replans: int = 0
+    steps: int = 0
+    recomputed_tokens: int = 0
+
+
+class Engine:
+    """Continuous batching over a ``CacheManager`` and a ``Runtime``."""
+
+    def __init__(self, manager: CacheManager, runtime: Runtime, executor: ComputeExecutor,
+                 config: EngineConfig) -> None:
+        self.manager = manager
+        self.runtime = runtime
+        self.executor = executor
+        self.config = config
+        self.prefetch_policy: PrefetchPolicy = manager.prefetch_policy
+        self.loop = runtime.loop
+        self.waiting: deque[RequestState] = deque()
+        self.running: list[RequestState] = []
+        self.done: list[RequestState] = []
+        self.stats = EngineStats()
+        self._wake = asyncio.Event()
+        self._closed = False
+        self.on_finish: Callable[[RequestState], None] | None = None
+        self._max_blocks = manager.capacities.device
+
+    # -- the outside -----------------------------------------------------------------
+    def add(self, req: EngineRequest) -> RequestState:
+        """Queue a request (at its arrival)."""
+        st = RequestState(req)
+        blocks = self._blocks_needed(req)
+        if blocks > self._max_blocks:
+            st.error = f"needs {blocks} device blocks, the device has {self._max_blocks}"
+            self.stats.rejected += 1
+            self.done.append(st)
+            return st
+        self.waiting.append(st)
+        self._wake.set()
+        return st
+
+    def close(self) -> None:
+        """No more requests will come: ``run`` returns once everything is done."""
+        self._closed = True
+        self._wake.set()
+
+    @property
+    def queue_len(self) -> int:
+        return len(self.waiting)
+
+    def _blocks_needed(self, req: EngineRequest) -> int:
+        total = math.ceil((req.input_len + req.output_len) / self.config.block_tokens)
+        return max(total, len(req.keys))
+
+    # -- the loop ----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Step until closed and every request has finished."""
+        while True:
+            self._admit()
+            batch, members, waits = self._schedule()
+            if not members:
+                if self._closed and not self.waiting and not self.running:
+                    break
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self.stats.steps += 1
+            try:
+                await self.executor.run_step(batch, waits)
+            except TransferError:
+                self._after_failed_loads(members)
+                continue
+            self._advance(members)
+        await self.runtime.drain()
+
+    # -- admission -----------------------------------------------------------------------
+    def _admit(self) -> None:
+        manager = self.manager
+        while self.waiting and len(self.running) < self.config.max_running:
+            st = self.waiting[0]
+            req = st.req
+            extra = self._blocks_needed(req) - len(req.keys)
+            try:
+                plan = manager.plan(req.request_id, req.keys, extra)
+            except NotEnoughBlocks:
+                self.runtime.submit_all(self._take_detached())
+                return  # head of line waits for blocks to come free
+            self.runtime.submit_all(self._take_detached())
+            self.waiting.popleft()
+            st.plan = plan
+            st.admit_s = self.loop.time()
+            st.hits = (plan.hits(Tier.DEVICE), plan.hits(Tier.HOST), plan.hits(Tier.STORAGE))
+            st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
+            st.tasks = []
+            for op in plan.ops:
+                task = self.runtime.submit(op)
+                if op.kind is OpKind.PREFETCH:
+                    st.prefetch.append(task)
+                else:
+                    st.tasks.append(task)
+            st.shared = [t for t in map(self.runtime.task_of, plan.shared) if t is not None]
+            st.tasks += st.shared
+            new_ids = plan.device_ids[plan.num_cached - len(plan.computing):] + plan.extra_ids
+            st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
+            self.stats.admitted += 1
+            self.running.append(st)
+            if st.prefetch:
+                self.loop.create_task(self._settle_prefetch(st))
+            else:
+                st.ready = True
+
+    def _take_detached(self) -> list:
+        ops = self.manager.detached_ops[:]
+        self.manager.detached_ops.clear()
+        return ops
+
+    async def _settle_prefetch(self, st: RequestState) -> None:
+        """Hold the request back as the prefetch policy says, then let it run."""
+        pending = [t for t in st.prefetch if not t.finished]
+        deadline = self.prefetch_policy.deadline_s(st.req.input_len)
+        if pending and deadline != 0.0:
+            await asyncio.wait([t.wait() for t in pending], timeout=deadline)
+        for t in st.prefetch:
+            if not t.finished:
+                t.cancel("prefetch deadline")  # what did not arrive is recomputed
+        st.ready = True
+        self._wake.set()
+
+    # -- scheduling -----------------------------------------------------------------------
+    def _schedule(self) -> tuple[StepBatch, list[tuple[RequestState, int]], list[TransferTask]]:
+        """Decodes first (one token each), then prefill chunks within the budget."""
+        batch = StepBatch()
+        members: list[tuple[RequestState, int]] = []
+        waits: list[TransferTask] = []
+        budget = self.config.max_batch_tokens
+        prefilling: list[RequestState] = []
+        for st in self.running:
+            if st.first_token_s is not None:
+                if budget <= 0:
+                    break
+                batch.decode.append(st.req.input_len + st.generated)
+                members.append((st, 1))
+                budget -= 1
+            elif st.ready:
+                prefilling.append(st)
+        for st in prefilling:
+            if budget <= 0:
+                break
+            if not st.waited:
+                if self._replan_if_lost(st):
+                    continue
+                self._rewind_to_failed(st)
+                waits.extend(t for t in st.tasks if not t.finished)
+            todo = max(st.req.input_len - st.prefilled, 1 if st.prefilled == st.req.input_len
+                       else 0)
+            n = min(todo, budget)
+            context = min(st.prefilled, st.req.input_len - n)
+            batch.prefill.append((n, context))
+            members.append((st, n))
+            budget -= n
+        return batch, members, waits
+
+    def _replan_if_lost(self, st: RequestState) -> bool:
+        """A load this request shared (someone else's) failed: plan it again.
+
+        The blocks it expected are now another request's to recompute; waiting
+        for that would convoy, so it goes back to the head of the queue.
+        """
+        plan = st.plan
+        assert plan is not None
+        if not any(t.finished and not t.ok for t in st.shared):
+            return False
+        self.stats.replans += 1
+        self.runtime.submit_all(self.manager.finish(plan))
+        self.running.remove(st)
+        st.plan, st.tasks, st.shared, st.prefetch, st.ready = None, [], [], [], False
+        self.waiting.appendleft(st)
+        return True
+
+    def _rewind_to_failed(self, st: RequestState) -> None:
+        """Move the prefill start back to the first block whose load failed."""
+        plan = st.plan
+        assert plan is not None
+        if not plan.computing:
+            return
+        position = {id(n): i for i, n in enumerate(plan.nodes)}
+        first = min((position[id(n)] for n in plan.computing if id(n) in position),
+                    default=None)
+        if first is None:
+            return
+        start = min(st.prefilled, first * self.config.block_tokens)
+        if start < st.prefilled:
+            self.stats.recomputed_tokens += st.prefilled - start
+            st.prefilled = start
+
+    def _after_failed_loads(self, members: list[tuple[RequestState, int]]) -> None:
+        """A step's wait failed: nothing of it counts; affected requests rewind."""
+        for st, _ in members:
+            if st.first_token_s is None and not st.waited:
+                if self._replan_if_lost(st):
+                    continue
+                self._rewind_to_failed(st)
+
+    # -- progress ------------------------------------------------------------------------
+    def _advance(self, members: list[tuple[RequestState, int]]) -> None:
+        now = self.loop.time()
+        manager = self.manager
+        for st, n in members:
+            if st.first_token_s is None:
+                st.waited = True
+                st.prefilled = min(st.req.input_len, st.prefilled + n)
+                if st.prefilled >= st.req.input_len:
+                    manager.commit(st.plan)  # type: ignore[arg-type]
+                    st.first_token_s = now
+                    st.generated = 1
+            else:
+                st.generated += 1
+            if st.first_token_s is not None and st.generated >= max(1, st.req.output_len):
+                st.finish_s = now
+                self.runtime.submit_all(manager.finish(st.plan))  # type: ignore[arg-type]
+                self.running.remove(st)
+                self.done.append(st)
+                self.stats.finished += 1
+                if self.on_finish is not None:
+                    self.on_finish(st)

@@ -1,0 +1,44 @@
+"""Compute in virtual time: the cost model's step time as a sleep, layer-aware.
+
+When a step depends on loads still in flight, it is computed layer by layer —
+each layer starts once that layer of every load has landed — which is how
+layer-wise overlap shows up in simulated TTFT. Otherwise the whole step is one
+sleep, so a replay pays one loop wake-up per step, not one per layer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from kvflow.engine import StepBatch
+from kvflow.runtime import TransferTask
+from sim.cost import CostModel
+
+
+class SimExecutor:
+    """``ComputeExecutor`` of the simulated world."""
+
+    def __init__(self, cost: CostModel, num_layers: int) -> None:
+        self.cost = cost
+        self.num_layers = num_layers
+        self.busy_s = 0.0
+
+    async def run_step(self, batch: StepBatch, waits: Sequence[TransferTask]) -> None:
+        pending = [t for t in waits if not t.finished or not t.ok]
+        if not pending:
+            dt = self.cost.step_time(batch.prefill, batch.decode)
+            self.busy_s += dt
+            await asyncio.sleep(dt)
+            return
+        per_layer = self.cost.layer_time(batch.prefill, batch.decode)
+        overhead = self.cost.step_time(batch.prefill, batch.decode) - self.num_layers * per_layer
+        for i in range(self.num_layers):
+            for t in pending:
+                if t.layers_done <= i:
+                    await t.layer(i)  # raises TransferError if that load failed
+            self.busy_s += per_layer
+            await asyncio.sleep(per_layer)
+        if overhead > 0:
+            self.busy_s += overhead
+            await asyncio.sleep(overhead)

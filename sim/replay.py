@@ -1,0 +1,377 @@
+"""Replay a request trace through kvflow in the simulated world.
+
+``mode="full"`` runs the reference engine on the virtual-time loop: arrivals at
+their trace times, continuous batching, transfers over the link model and
+compute from the cost model; the report has hit rates, latencies, link use.
+``mode="cache"`` replays arrivals in order through the cache alone (every copy
+lands at once, no time passes): hit rates only, for capacity studies.
+
+Same inputs and seed give the same report, ``wall_s`` aside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvflow.engine import Engine, EngineConfig, EngineRequest, RequestState
+from kvflow.errors import ConfigError
+from kvflow.hashing import BlockHasher, ExtraKeys
+from kvflow.layout import ModelSpec, preset
+from kvflow.manager import CacheManager, Capacities, TransferOp
+from kvflow.policy import PrefetchPolicy, WritePolicy
+from kvflow.runtime import Runtime
+from sim.cost import CostModel, GpuProfile, load_profile
+from sim.executor import SimExecutor
+from sim.hierarchy import Hierarchy, SimBackend
+from sim.loop import run_sim
+from traces import Request, open_trace, sample_path
+
+GiB = 1024**3
+#: Share of GPU memory left for KV after weights, as serving engines reserve it.
+GPU_MEMORY_UTILIZATION = 0.9
+#: Tier sizes used when none is given.
+DEFAULT_HOST_GB = 256.0
+DEFAULT_STORAGE_GB = 2048.0
+REPORT_VERSION = 1
+MODES = ("full", "cache")
+
+
+@dataclass
+class ReplayConfig:
+    """Everything a replay depends on; field names are ``kvflow sweep --param`` names."""
+
+    trace: str | None = None
+    model: str = "llama-3-8b"
+    profile: str = "h100"
+    device_blocks: int | None = None
+    host_blocks: int | None = None
+    storage_blocks: int | None = None
+    device_gb: float | None = None
+    host_gb: float | None = None
+    storage_gb: float | None = None
+    eviction: str = "lru"
+    write_policy: str = "write_through"
+    write_threshold: int = 1
+    prefetch_policy: str = "best_effort"
+    mode: str = "full"
+    seed: int = 0
+    limit: int | None = None
+    max_batch_tokens: int = 8192
+    max_running: int = 256
+    sample_interval_s: float = 10.0
+    skip_bad: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}")
+        for name in ("device_blocks", "host_blocks", "storage_blocks", "limit",
+                     "device_gb", "host_gb", "storage_gb"):
+            v = getattr(self, name)
+            if v is not None and v < 0:
+                raise ConfigError(f"{name} must be >= 0, got {v}")
+        for tier in ("device", "host", "storage"):
+            if getattr(self, f"{tier}_blocks") is not None and getattr(
+                    self, f"{tier}_gb") is not None:
+                raise ConfigError(f"give {tier}_blocks or {tier}_gb, not both")
+        if self.sample_interval_s <= 0:
+            raise ConfigError("sample_interval_s must be positive")
+        # Fail early, with the field named, rather than mid-replay.
+        WritePolicy(self.write_policy, threshold=self.write_threshold)
+        PrefetchPolicy(self.prefetch_policy)
+
+
+@dataclass
+class Setup:
+    """What a config resolves to: the model, the GPU, the tiers, the requests."""
+
+    spec: ModelSpec
+    profile: GpuProfile
+    capacities: Capacities
+    requests: list[EngineRequest]
+    trace_path: str
+    skipped: int
+
+
+def weight_bytes(spec: ModelSpec) -> float:
+    """bf16 weights; for MoE models only what a device must hold is unknown here,
+    so all active parameters count (a lower bound on memory)."""
+    return spec.active_params * 2
+
+
+def default_device_blocks(spec: ModelSpec, profile: GpuProfile) -> int:
+    free = profile.memory_bytes * GPU_MEMORY_UTILIZATION - weight_bytes(spec)
+    blocks = int(free // spec.bytes_per_block)
+    if blocks <= 0:
+        raise ConfigError(
+            f"model {spec.name} does not fit on {profile.name} "
+            f"({profile.memory_bytes / GiB:.0f} GiB): give --device-blocks explicitly")
+    return blocks
+
+
+def blocks_for_gb(gb: float, spec: ModelSpec) -> int:
+    return int(gb * GiB // spec.bytes_per_block)
+
+
+def request_keys(req: Request, hasher: BlockHasher | None) -> tuple[Hashable, ...]:
+    """Block keys of a request: the trace's hash ids, or hashes of its tokens.
+
+    A tenant gets its own key space, so tenants never share a block.
+    """
+    if req.block_hashes is not None:
+        keys: tuple[Hashable, ...] = req.block_hashes
+        if req.tenant is not None:
+            keys = tuple((req.tenant, h) for h in keys)
+        return keys
+    if req.token_ids is not None and hasher is not None:
+        extra = ExtraKeys(tenant_salt=req.tenant) if req.tenant is not None else None
+        return tuple(hasher.hash_blocks(req.token_ids, extra=extra))
+    return ()
+
+
+def resolve(cfg: ReplayConfig) -> Setup:
+    path = Path(cfg.trace) if cfg.trace else sample_path()
+    trace = open_trace(path, skip_bad=cfg.skip_bad)
+    spec = preset(cfg.model, block_tokens=trace.block_tokens)
+    profile = load_profile(cfg.profile)
+    hasher = BlockHasher(trace.block_tokens)
+    requests = []
+    for req in trace:
+        if cfg.limit is not None and len(requests) >= cfg.limit:
+            break
+        requests.append(EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
+                                      req.input_len, req.output_len))
+    def size(blocks: int | None, gb: float | None, default: Callable[[], int]) -> int:
+        if blocks is not None:
+            return blocks
+        return blocks_for_gb(gb, spec) if gb is not None else default()
+
+    device = size(cfg.device_blocks, cfg.device_gb, lambda: default_device_blocks(spec, profile))
+    host = size(cfg.host_blocks, cfg.host_gb, lambda: blocks_for_gb(DEFAULT_HOST_GB, spec))
+    storage = size(cfg.storage_blocks, cfg.storage_gb,
+                   lambda: blocks_for_gb(DEFAULT_STORAGE_GB, spec))
+    return Setup(spec, profile, Capacities(device, host, storage), requests, str(path),
+                 trace.skipped)
+
+
+def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:
+    return CacheManager(
+        capacities, eviction=cfg.eviction,
+        write_policy=WritePolicy(cfg.write_policy, threshold=cfg.write_threshold),
+        prefetch_policy=PrefetchPolicy(cfg.prefetch_policy))
+
+
+def run_replay(cfg: ReplayConfig,
+               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Run one replay and return its report (a JSON-ready dict)."""
+    t0 = time.perf_counter()
+    setup = resolve(cfg)
+    manager = make_manager(cfg, setup.capacities)
+    if cfg.mode == "cache":
+        body = _replay_cache(setup, manager, progress)
+    else:
+        body = run_sim(_replay_full(cfg, setup, manager, progress))
+    report: dict[str, Any] = {
+        "kvflow_report": REPORT_VERSION,
+        "config": _config_dict(cfg, setup),
+    }
+    report.update(body)
+    report["evictions"] = dict(zip(("device", "host", "storage"),
+                                   manager.stats.evictions, strict=True))
+    report["wall_s"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d.update(trace=setup.trace_path, device_blocks=setup.capacities.device,
+             host_blocks=setup.capacities.host, storage_blocks=setup.capacities.storage,
+             block_tokens=setup.spec.block_tokens, bytes_per_block=setup.spec.bytes_per_block,
+             num_layers=setup.spec.num_layers, skipped_lines=setup.skipped)
+    return d
+
+
+# -- cache mode ---------------------------------------------------------------------------
+def _replay_cache(setup: Setup, manager: CacheManager,
+                  progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    hits = [0, 0, 0]
+    blocks = rejected = 0
+    cap = setup.capacities.device
+    total = len(setup.requests)
+    for i, req in enumerate(setup.requests):
+        keys = req.keys[:cap]  # what cannot fit on the device is recomputed, uncached
+        plan = manager.plan(req.request_id, keys)
+        _land(manager, plan.ops)
+        manager.commit(plan)
+        _land(manager, manager.finish(plan))
+        for t in (0, 1, 2):
+            hits[t] += plan.hits(t)
+        blocks += len(req.keys)
+        rejected += len(req.keys) > cap
+        if progress is not None and (i % 256 == 0 or i + 1 == total):
+            progress(i + 1, total)
+    return {
+        "requests": total, "rejected": 0, "truncated": rejected,
+        "hit_rate": _hit_rates(hits, blocks),
+        "ttft_s": None, "tpot_s": None, "e2e_s": None, "throughput": None,
+        "bytes": None, "link_utilization": None,
+        "prefetch": None, "errors": {"failed_transfers": 0, "recomputed_blocks": 0},
+        "sim_time_s": None, "timeseries": {}, "samples": {},
+    }
+
+
+def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
+    """Cache mode: every copy lands at once, follow-ups too."""
+    queue = list(ops)
+    while queue:
+        queue += manager.complete(queue.pop(0), True)
+
+
+def _hit_rates(hits: list[int], blocks: int) -> dict[str, float]:
+    d = {name: (h / blocks if blocks else 0.0)
+         for name, h in zip(("device", "host", "storage"), hits, strict=True)}
+    d["total"] = sum(hits) / blocks if blocks else 0.0
+    return d
+
+
+# -- full mode ------------------------------------------------------------------------------
+async def _replay_full(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
+                       progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    spec = setup.spec
+    backend = SimBackend(loop.env, spec, Hierarchy.from_profile(setup.profile))  # type: ignore[attr-defined]
+    runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
+    executor = SimExecutor(CostModel(spec, setup.profile), spec.num_layers)
+    engine = Engine(manager, runtime, executor,
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    total = len(setup.requests)
+    if progress is not None:
+        engine.on_finish = lambda st: progress(len(engine.done), total)
+    sampler = _Sampler(engine, backend, executor, cfg.sample_interval_s)
+    run = loop.create_task(engine.run(), name="engine")
+    sample_task = loop.create_task(sampler.run(), name="sampler")
+    start = loop.time()
+    for req in setup.requests:
+        delay = start + req.arrival_s - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        engine.add(req)
+    engine.close()
+    await run
+    sample_task.cancel()
+    sampler.sample()  # the last, partial interval
+    end = loop.time()
+    return _full_report(setup, engine, runtime, backend, sampler, end - start)
+
+
+class _Sampler:
+    """Per-interval samples for the report's time series."""
+
+    LINKS = ("h2d", "d2h", "storage_read", "storage_write")
+
+    def __init__(self, engine: Engine, backend: SimBackend, executor: SimExecutor,
+                 interval: float) -> None:
+        self.engine, self.backend, self.executor = engine, backend, executor
+        self.interval = interval
+        self.t: list[float] = []
+        self.queue_len: list[int] = []
+        self.running: list[int] = []
+        self.util: dict[str, list[float]] = {k: [] for k in self.LINKS}
+        self._last_busy = dict.fromkeys(self.LINKS, 0.0)
+        self._last_t = engine.loop.time()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.sample()
+
+    def sample(self) -> None:
+        now = self.engine.loop.time()
+        span = now - self._last_t
+        if span <= 0:
+            return
+        links = self.backend.metrics()["links"]
+        for k in self.LINKS:
+            busy = links[k]["busy_s"]
+            self.util[k].append(round(min(1.0, (busy - self._last_busy[k]) / span), 6))
+            self._last_busy[k] = busy
+        self.t.append(round(now, 6))
+        self.queue_len.append(self.engine.queue_len)
+        self.running.append(len(self.engine.running))
+        self._last_t = now
+
+
+def _summary(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    a = np.asarray(values, dtype=float)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBackend,
+                 sampler: _Sampler, sim_time: float) -> dict[str, Any]:
+    finished = [st for st in engine.done if st.finish_s is not None]
+    ttft = [st.first_token_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
+    e2e = [st.finish_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
+    tpot = [(st.finish_s - st.first_token_s) / (st.generated - 1)  # type: ignore[operator]
+            for st in finished if st.generated > 1]
+    hits = [sum(st.hits[t] for st in finished) for t in (0, 1, 2)]
+    blocks = sum(len(st.req.keys) for st in finished)
+    links = backend.metrics()["links"]
+    span = sim_time if sim_time > 0 else 1.0
+    out_tokens = sum(st.generated for st in finished)
+    in_tokens = sum(st.req.input_len for st in finished)
+    m = runtime.metrics
+    series: dict[str, Any] = {"interval_s": sampler.interval, "t": sampler.t}
+    series.update(_hit_series(finished, sampler))
+    series.update({f"link_util_{k}": v for k, v in sampler.util.items()})
+    series.update(queue_len=sampler.queue_len, running=sampler.running)
+    return {
+        "requests": len(finished),
+        "rejected": engine.stats.rejected,
+        "hit_rate": _hit_rates(hits, blocks),
+        "ttft_s": _summary(ttft), "tpot_s": _summary(tpot), "e2e_s": _summary(e2e),
+        "throughput": {"requests_per_s": len(finished) / span,
+                       "output_tokens_per_s": out_tokens / span,
+                       "prompt_tokens_per_s": in_tokens / span},
+        "bytes": dict(m.bytes),
+        "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in links},
+        "prefetch": dict(m.prefetch),
+        "errors": {"failed_transfers": m.failed + m.cancelled,
+                   "recomputed_blocks": runtime.manager.stats.recomputed_blocks,
+                   "recomputed_tokens": engine.stats.recomputed_tokens,
+                   "replans": engine.stats.replans},
+        "engine": {"steps": engine.stats.steps,
+                   "compute_busy_s": getattr(engine.executor, "busy_s", None)},
+        "sim_time_s": sim_time,
+        "timeseries": series,
+        "samples": {"ttft_s": [round(x, 6) for x in ttft],
+                    "tpot_s": [round(x, 6) for x in tpot]},
+    }
+
+
+def _hit_series(finished: list[RequestState], sampler: _Sampler) -> dict[str, list[float]]:
+    """Hit rate per tier of the requests arriving in each sampling interval."""
+    n = len(sampler.t)
+    if n == 0:
+        return {"hit_rate_device": [], "hit_rate_host": [], "hit_rate_storage": []}
+    hits = np.zeros((3, n))
+    blocks = np.zeros(n)
+    for st in finished:
+        b = min(n - 1, math.floor(st.req.arrival_s / sampler.interval))
+        blocks[b] += len(st.req.keys)
+        for t in (0, 1, 2):
+            hits[t, b] += st.hits[t]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rates = np.where(blocks > 0, hits / np.maximum(blocks, 1), 0.0)
+    return {f"hit_rate_{name}": [round(float(x), 6) for x in rates[t]]
+            for t, name in enumerate(("device", "host", "storage"))}
