@@ -114,37 +114,60 @@ def copiers(buf: Buffers, block: int, layers: int, kernels: SwapKernels,
     return h2d, d2h, src, dst
 
 
+#: (load, store) flavours compared: see KVFLOW_LOAD_VARIANT / KVFLOW_STORE_VARIANT.
+VARIANTS = ((0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (0, 2))
+
+
 def bench_variants(buf: Buffers, layers: int, reps: int, rng: np.random.Generator) -> dict:
-    """Ours at 4 and 16 KB, 4 and 16 CTAs, for each source-load flavour of the kernel."""
+    """Ours at 4 and 16 KB, 4 CTAs each way, for each load/store flavour of the kernel."""
     cp = cupy_module()
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
     out = {}
-    for variant in (0, 1, 2, 3):
-        kernels = SwapKernels(load_variant=variant)
+    for variant in VARIANTS:
+        kernels = SwapKernels(None, *variant)
         for kb in (4, 16):
             h2d, d2h, src, dst = copiers(buf, kb << 10, layers, kernels, rng)
             p_in, p_out = h2d.prepare(src, dst, s1), d2h.prepare(src, dst, s2)
             moved = p_in.num_scattered * layers * (kb << 10)
-            for ctas in (4, 16):
-                t = ours_times(h2d, d2h, p_in, p_out, s1, s2, ctas, reps)
-                out[variant, kb, "h2d", ctas] = moved / t["h2d"]
-                out[variant, kb, "both", ctas] = 2 * moved / t["both"]
+            t = ours_times(h2d, d2h, p_in, p_out, s1, s2, 4, reps)
+            for d in ("h2d", "d2h", "both"):
+                out[variant, kb, d] = (2 if d == "both" else 1) * moved / t[d]
+    return out
+
+
+def bench_both_ctas(buf: Buffers, layers: int, reps: int, kernels: SwapKernels,
+                    rng: np.random.Generator, kb: int = 16) -> dict:
+    """Both ways at once for every (load CTAs, store CTAs) pair: how to split the SMs."""
+    cp = cupy_module()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    h2d, d2h, src, dst = copiers(buf, kb << 10, layers, kernels, rng)
+    p_in, p_out = h2d.prepare(src, dst, s1), d2h.prepare(src, dst, s2)
+    moved = p_in.num_scattered * layers * (kb << 10)
+    out = {}
+    for c_in in CTAS:
+        for c_out in CTAS:
+            out[c_in, c_out] = 2 * moved / gpu_time(
+                lambda a=c_in, b=c_out: (h2d.launch(p_in, s1, ctas=a),
+                                         d2h.launch(p_out, s2, ctas=b)), s1, reps, (s2,))
     return out
 
 
 def ours_times(h2d: BlockCopier, d2h: BlockCopier, p_in: object, p_out: object,
-               s1: object, s2: object, ctas: int, reps: int) -> dict[str, float]:
+               s1: object, s2: object, ctas: int, reps: int,
+               ctas_out: int | None = None) -> dict[str, float]:
     """(c) seconds for one all-layer launch each way and both ways at once."""
+    c_out = ctas if ctas_out is None else ctas_out
     return {
         "h2d": gpu_time(lambda: h2d.launch(p_in, s1, ctas=ctas), s1, reps),
         "d2h": gpu_time(lambda: d2h.launch(p_out, s1, ctas=ctas), s1, reps),
         "both": gpu_time(lambda: (h2d.launch(p_in, s1, ctas=ctas),
-                                  d2h.launch(p_out, s2, ctas=ctas)), s1, reps, (s2,)),
+                                  d2h.launch(p_out, s2, ctas=c_out)), s1, reps, (s2,)),
     }
 
 
 def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKernels,
-               rng: np.random.Generator, max_memcpy_pieces: int, ceil: dict) -> dict:
+               rng: np.random.Generator, max_memcpy_pieces: int, ceil: dict,
+               both_split: tuple[int, int]) -> dict:
     cp = cupy_module()
     rt = cp.cuda.runtime
     s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
@@ -186,6 +209,9 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
         res[f"ours_h2d_{ctas}"] = moved / t["h2d"]
         res[f"ours_d2h_{ctas}"] = moved / t["d2h"]
         res[f"ours_both_{ctas}"] = 2 * moved / t["both"]
+    c_in, c_out = both_split
+    res["ours_both_split"] = 2 * moved / ours_times(
+        h2d, d2h, p_in, p_out, s1, s2, c_in, reps, c_out)["both"]
 
     def per_layer() -> None:
         for layer in range(layers):
@@ -223,6 +249,9 @@ def host_times(reps: int) -> dict:
     copier = backend.h2d
     prep = copier.prepare(src, dst, s)
     ev = cp.cuda.Event(disable_timing=True)
+    kern = copier.kernels
+    args = (copier._table_ptr, copier._roles_ptr, 2, copier.chunks_per_block, 0, 1,
+            prep.ids_ptr, prep.num_scattered)
 
     def noop(_: object) -> None:
         pass
@@ -240,33 +269,33 @@ def host_times(reps: int) -> dict:
         return statistics.median(samples[20:]) * 1e6
 
     out: dict = {"model": spec.name, "layers": spec.num_layers, "blocks": 128}
-    out["validate_ids"] = median_us(lambda: validate_ids(src, dst, 512, 256))
-    out["split_runs"] = median_us(lambda: split_runs(src, dst, 32))
-    out["alloc_pinned"] = median_us(lambda: cp.cuda.alloc_pinned_memory(1024))
+    out["validate_ids (slow path)"] = median_us(lambda: validate_ids(src, dst, 512, 256))
+    out["split_runs (slow path)"] = median_us(lambda: split_runs(src, dst, 32))
     out["prepare"] = median_us(lambda: copier.prepare(src, dst, s))
-    out["launch_1_layer"] = median_us(lambda: copier.launch(prep, s, 0, 1))
-    fn = copier.kernels._fn
-    args = (copier._table_ptr, copier._roles_ptr, 2, copier.chunks_per_block, 0, 1,
-            prep.ids_ptr, prep.num_scattered)
-    out["cupy_kernel_call"] = median_us(lambda: fn((8,), (1024,), args, stream=s))
-    out["event_record"] = median_us(lambda: ev.record(s))
-    out["stream_wait_event"] = median_us(lambda: side.wait_event(ev))
+    out["prepare (list ids)"] = median_us(lambda: copier.prepare(src.tolist(), dst.tolist(), s))
+    out["kernel launch (raw)"] = median_us(lambda: kern.launch(s.ptr, 8, args))
+    out["kernel launch (cupy call)"] = median_us(
+        lambda: kern._fn((8,), (1024,), args, stream=s))
+    out["BlockCopier.launch 1 layer"] = median_us(lambda: copier.launch(prep, s, 0, 1))
+    out["event record"] = median_us(lambda: ev.record(s))
+    out["stream wait_event"] = median_us(lambda: side.wait_event(ev))
     out["launch_host_func"] = median_us(lambda: side.launch_host_func(noop, None))
     out["all_layer_submit_us"] = median_us(lambda: copier.copy(src, dst, s))
-    # Does a fresh cudaHostAlloc wait for a busy GPU? (the pinned pool hides it once warm)
+    # Does a fresh cudaHostAlloc wait for a busy GPU? (why staging is a ring allocated once)
     spin(s, 0.05)
     t0 = time.perf_counter()
     cp.cuda.PinnedMemory(1 << 16)
-    out["fresh_host_alloc_busy_gpu"] = (time.perf_counter() - t0) * 1e6
+    out["fresh cudaHostAlloc, GPU busy 50 ms"] = (time.perf_counter() - t0) * 1e6
+    cp.cuda.Device().synchronize()
     src_l, dst_l = src.tolist(), dst.tolist()
 
-    async def submits() -> float:
+    async def submits(b: CudaBackend) -> float:
         times = []
         for i in range(reps // 4 + 5):
             sink = FutureSink(spec.num_layers)
             op = TransferOp(i, OpKind.SWAP_IN, Tier.HOST, Tier.DEVICE, src_l, dst_l, keys=[])
             t0 = time.perf_counter()
-            backend.submit(op, sink, ())
+            b.submit(op, sink, ())
             times.append(time.perf_counter() - t0)
             await sink.wait()
         return statistics.median(times[5:])
@@ -277,8 +306,10 @@ def host_times(reps: int) -> dict:
         factory = uvloop.new_event_loop
     except ImportError:
         factory = None
+    grouped = CudaBackend(spec, 256, 512, layers_per_launch=4)
     with asyncio.Runner(loop_factory=factory) as runner:
-        out["backend_submit_us"] = runner.run(submits()) * 1e6
+        out["backend_submit_us"] = runner.run(submits(backend)) * 1e6
+        out["backend submit, 4 layers/launch"] = runner.run(submits(grouped)) * 1e6
     cp.cuda.Device().synchronize()
     return out
 
@@ -290,8 +321,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-memcpy-pieces", type=int, default=2048)
-    ap.add_argument("--variant", type=int, default=-1,
-                    help="kernel load variant for the sweep; -1: the fastest of a quick comparison")
+    ap.add_argument("--variant", default="",
+                    help="load,store kernel flavour for the sweep (default: the fastest)")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
     cp = cupy_module()
@@ -303,21 +334,29 @@ def main() -> None:
     ceil = ceilings(buf, 3 * args.reps)
     print("ceiling (one contiguous cudaMemcpyAsync, GB/s): "
           + "  ".join(f"{d} {v / 1e9:.1f}" for d, v in ceil.items()))
-    variant = args.variant
-    if variant < 0:
+    if args.variant:
+        variant = tuple(int(x) for x in args.variant.split(","))
+    else:
         var = bench_variants(buf, args.layers, args.reps, rng)
-        print("\nload variants (0 cs, 1 cs+L2::128B, 2 cs+L2::256B, 3 nc+L2::256B), GB/s:")
-        for v in (0, 1, 2, 3):
-            print(f"  variant {v}: " + "  ".join(
-                f"{kb}KB {d}@{c} {var[v, kb, d, c] / 1e9:5.1f}"
-                for kb in (4, 16) for d in ("h2d", "both") for c in (4, 16)))
-        variant = max((0, 1, 2, 3), key=lambda v: sum(x for k, x in var.items() if k[0] == v))
-        print(f"  -> sweep uses variant {variant}")
-    kernels = SwapKernels(load_variant=variant)
+        print("\nload,store flavours at 4 CTAs each way, GB/s (load 0 cs, 1 cs+L2::128B, "
+              "2 cs+L2::256B, 3 nc+L2::256B; store 0 wb, 1 cs, 2 wt):")
+        for v in VARIANTS:
+            print(f"  {v}: " + "  ".join(f"{kb}KB {d} {var[v, kb, d] / 1e9:5.1f}"
+                                         for kb in (4, 16) for d in ("h2d", "d2h", "both")))
+        variant = max(VARIANTS, key=lambda v: sum(x for k, x in var.items() if k[0] == v))
+        print(f"  -> sweep uses {variant}")
+    kernels = SwapKernels(None, *variant)
+    split = bench_both_ctas(buf, args.layers, args.reps, kernels, rng)
+    print("\nboth ways at once, 16 KB, GB/s by (load CTAs, store CTAs):")
+    for c_in in CTAS:
+        print(f"  load {c_in:2d}: " + "  ".join(f"store {c}: {split[c_in, c] / 1e9:5.1f}"
+                                              for c in CTAS))
+    best_split = max(split, key=split.get)
+    print(f"  -> best split {best_split}")
     rows = []
     for kb in (int(x) for x in args.sizes.split(",")):
         r = bench_size(buf, kb << 10, args.layers, args.reps, kernels, rng,
-                       args.max_memcpy_pieces, ceil)
+                       args.max_memcpy_pieces, ceil, best_split)
         rows.append(r)
         gb = {k: v / 1e9 for k, v in r.items() if k.startswith(("ceil", "memcpy", "ours"))}
         print(f"\n{kb} KB blocks ({r['blocks_per_layer']} per layer x {r['layers']} layers), GB/s:")
@@ -325,26 +364,32 @@ def main() -> None:
             ours = "  ".join(f"@{c}:{gb[f'ours_{d}_{c}']:6.1f}" for c in CTAS)
             memcpy = f"{gb[f'memcpy_{d}']:6.1f}" if f"memcpy_{d}" in gb else "     -"
             print(f"  {d:4s} ceiling {gb[f'ceil_{d}']:6.1f}  per-block {memcpy}  ours {ours}")
-        print(f"  h2d  ours per-layer launches @8: {gb['ours_h2d_per_layer']:6.1f}")
+        print(f"  both at split {best_split}: {gb['ours_both_split']:6.1f};"
+              f"  h2d per-layer launches @8: {gb['ours_h2d_per_layer']:6.1f}")
     ht = host_times(400)
     print(f"\nhost time, us ({ht['model']}, {ht['layers']} layers x 2 roles, "
           f"{ht['blocks']} scattered blocks):")
-    print("  " + "  ".join(f"{k} {v:.1f}" for k, v in ht.items() if isinstance(v, float)))
+    for k, v in ht.items():
+        if isinstance(v, float):
+            print(f"  {k:40s} {v:9.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "variant": variant, "ceiling": ceil, "sizes": rows,
-                       "host": ht}, f, indent=1)
-    print(f"\nratio to ceiling (ours: best of <=16 CTAs, and at 8 CTAs; per-block memcpy); "
-          f"all-layer submission {ht['all_layer_submit_us']:.1f} us, "
-          f"backend submit {ht['backend_submit_us']:.1f} us:")
-    print(" block | h2d best  h2d@8  memcpy | d2h best  d2h@8  memcpy | both best  both@8")
+            json.dump({"device": name, "variant": variant, "ceiling": ceil,
+                       "both_split": {f"{a},{b}": v for (a, b), v in split.items()},
+                       "sizes": rows, "host": ht}, f, indent=1)
+    print(f"\nratio to ceiling (ours: best of 2-16 CTAs, and at 4 CTAs; per-block memcpy; both: "
+          f"split {best_split[0]}+{best_split[1]} CTAs); host time per all-layer submission "
+          f"{ht['all_layer_submit_us']:.1f} us, per backend submit "
+          f"{ht['backend_submit_us']:.1f} us")
+    print(" block | h2d best  h2d@4  memcpy | d2h best  d2h@4  memcpy | both best  both@4  split")
     for r in rows:
         cells = []
         for d in ("h2d", "d2h", "both"):
             best = max(r[f"ours_{d}_{c}"] for c in CTAS) / r[f"ceil_{d}"]
-            at8 = r[f"ours_{d}_8"] / r[f"ceil_{d}"]
-            mc = f"  {r[f'memcpy_{d}'] / r[f'ceil_{d}']:5.2f}" if d != "both" else ""
-            cells.append(f"   {best:5.2f}  {at8:5.2f}{mc}")
+            at4 = r[f"ours_{d}_4"] / r[f"ceil_{d}"]
+            extra = (f"  {r[f'memcpy_{d}'] / r[f'ceil_{d}']:5.2f}" if d != "both"
+                     else f"  {r['ours_both_split'] / r['ceil_both']:5.2f}")
+            cells.append(f"   {best:5.2f}  {at4:5.2f}{extra}")
         print(f"{r['block_kb']:4d}KB |" + " |".join(cells))
 
 

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels._cuda import cupy_module
-from kernels.swap import DEFAULT_CTAS, DEFAULT_MIN_RUN_BYTES, BlockCopier, PreparedCopy, SwapKernels
+from kernels.swap import (
+    DEFAULT_CTAS,
+    DEFAULT_MIN_RUN_BYTES,
+    DEFAULT_STAGING_BYTES,
+    BlockCopier,
+    PreparedCopy,
+    SwapKernels,
+)
 from kvflow.errors import ConfigError, InvalidBlockId, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
@@ -53,13 +60,17 @@ class CudaTask:
     def num_layers(self) -> int:
         return len(self.events)
 
-    def _on_layer(self, layer: int | None) -> None:
-        """On the loop thread: the GPU has passed layer ``layer`` (``None``: the end)."""
+    def _on_layers(self, first: int, count: int) -> None:
+        """On the loop thread: the GPU has passed layers ``first .. first+count-1``.
+
+        ``count == 0`` marks the end after an enqueueing error.
+        """
         if self.finished:
             return
-        if layer is not None and not self.cancelled and self.error is None:
-            self.sink.layer_done(layer)
-        if layer is None or layer == len(self.events) - 1:
+        if not self.cancelled and self.error is None:
+            for layer in range(first, first + count):
+                self.sink.layer_done(layer)
+        if count == 0 or first + count == len(self.events):
             self._finish(release=True)
 
     def _finish(self, release: bool) -> None:
@@ -67,7 +78,8 @@ class CudaTask:
         if release and self._owner is not None:
             self._owner._release_events(self.events)
         self.events = []
-        if release:  # otherwise the GPU may still read the ids: keep them alive
+        if release and self.prep is not None:  # else the GPU may still read the ids
+            self.prep.release()
             self.prep = None
         error = self.error
         if error is None and self.cancelled:
@@ -75,11 +87,11 @@ class CudaTask:
         self.sink.done(error)
 
 
-def _host_callback(arg: tuple[CudaTask, int | None]) -> None:
+def _host_callback(arg: tuple[CudaTask, int, int]) -> None:
     """Runs on a CUDA driver thread: hop to the loop; never raise, never call CUDA."""
-    task, layer = arg
+    task, first, count = arg
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-        task.loop.call_soon_threadsafe(task._on_layer, layer)
+        task.loop.call_soon_threadsafe(task._on_layers, first, count)
 
 
 class FutureSink:
@@ -120,6 +132,11 @@ class CudaBackend:
     ``[num_blocks, role_bytes]`` (view them as the model's dtype as needed);
     each role of all layers is one allocation, so a layer's stride is constant
     and a run of blocks moves through all layers in one 2-D memcpy.
+
+    ``load_ctas``/``store_ctas``: CTAs per launch each way (few: compute keeps
+    the GPU). ``layers_per_launch`` > 1 trades per-layer granularity for less
+    host time: one launch and one host callback per group of layers (each
+    layer still gets its own event, recorded when its group lands).
     """
 
     def __init__(
@@ -128,12 +145,16 @@ class CudaBackend:
         num_device_blocks: int,
         num_host_blocks: int,
         *,
-        ctas: int = DEFAULT_CTAS,
+        load_ctas: int = DEFAULT_CTAS,
+        store_ctas: int = DEFAULT_CTAS,
         min_run_bytes: int = DEFAULT_MIN_RUN_BYTES,
+        layers_per_launch: int = 1,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
         device: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
+        sizes += (("layers_per_launch", layers_per_launch),)
         for name, v in sizes:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"CudaBackend {name} must be a positive integer, got {v!r}")
@@ -146,6 +167,7 @@ class CudaBackend:
         self.role_bytes = tuple(r.bytes_per_block for r in self.layout.roles)
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
+        self.layers_per_launch = layers_per_launch
         self.device = cp.cuda.runtime.getDevice() if device is None else device
         self._loop = loop
         self._event_pool: list[object] = []
@@ -169,11 +191,14 @@ class CudaBackend:
             host_bases = np.array([[m.ptr + layer * h.strides[0]
                                     for m, h in zip(self._host_mem, self._host, strict=True)]
                                    for layer in range(L)], dtype=np.int64)
-            common = dict(ctas=ctas, min_run_bytes=min_run_bytes, kernels=kernels)
+            common = dict(min_run_bytes=min_run_bytes, staging_bytes=staging_bytes,
+                          kernels=kernels)
             self.h2d = BlockCopier(host_bases, dev_bases, self.role_bytes, num_host_blocks,
-                                   num_device_blocks, src_name="host", dst_name="device", **common)
+                                   num_device_blocks, ctas=load_ctas, src_name="host",
+                                   dst_name="device", **common)
             self.d2h = BlockCopier(dev_bases, host_bases, self.role_bytes, num_device_blocks,
-                                   num_host_blocks, src_name="device", dst_name="host", **common)
+                                   num_host_blocks, ctas=store_ctas, src_name="device",
+                                   dst_name="host", **common)
 
     # ------------------------------------------------------------------ memory
     def device_kv(self, layer: int, role: str) -> object:
@@ -208,24 +233,27 @@ class CudaBackend:
         # Same-stream predecessors are already ordered; finished ones are past.
         deps = [h for h in after if isinstance(h, CudaTask) and h.started
                 and not h.finished and h.stream is not stream]
+        events, L, k = task.events, self.num_layers, self.layers_per_launch
         layer = 0
         try:
-            for layer in range(self.num_layers):
-                for h in deps:
-                    stream.wait_event(h.events[layer])
-                copier.launch(prep, stream, layer, 1)
-                ev = task.events[layer]
-                ev.record(stream)
-                notify.wait_event(ev)
-                notify.launch_host_func(_host_callback, (task, layer))
+            for layer in range(0, L, k):
+                count = min(k, L - layer)
+                last = layer + count - 1
+                for h in deps:  # their layers land in order: waiting on `last` covers the group
+                    stream.wait_event(h.events[last])
+                copier.launch(prep, stream, layer, count)
+                for i in range(layer, last + 1):
+                    events[i].record(stream)
+                notify.wait_event(events[last])
+                notify.launch_host_func(_host_callback, (task, layer, count))
         except Exception as exc:  # a CUDA error while enqueueing: report it, keep order
             task.error = TransferError(f"op {op.op_id}: enqueueing layer {layer} failed: {exc}")
             task.error.__cause__ = exc
             try:
-                for ev in task.events[layer:]:
+                for ev in events[layer:]:
                     ev.record(stream)  # dependents must not wait on stale events
-                notify.wait_event(task.events[-1])
-                notify.launch_host_func(_host_callback, (task, None))
+                notify.wait_event(events[-1])
+                notify.launch_host_func(_host_callback, (task, layer, 0))
             except Exception:
                 loop.call_soon(task._finish, False)
         return task

@@ -8,7 +8,7 @@ tables the kernel reads (per-layer base pointers, per-role chunking).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,3 +198,70 @@ def pack_ids(src: np.ndarray, dst: np.ndarray, out: np.ndarray | None = None) ->
     buf[0::2] = src
     buf[1::2] = dst
     return buf
+
+
+#: key[j+1] - key[j] for a pair consecutive on both sides, key = dst << 32 | src.
+_RUN_STEP = (1 << 32) + 1
+_NO_RUNS = np.zeros((0, 3), dtype=np.int64)
+#: Id dtypes the fast path takes, and the unsigned view that makes negatives huge.
+_UNSIGNED = {np.dtype(t): np.dtype(t.replace("int", "uint"))
+             for t in ("int8", "int16", "int32", "int64")}
+_UNSIGNED.update({u: u for u in list(_UNSIGNED.values())})
+
+#: ``alloc(n)`` -> (handle, int32 buffer of 2n, address): where ``stage_ids`` packs pairs.
+StageAlloc = Callable[[int], tuple[object, np.ndarray, int]]
+
+
+def stage_ids(
+    src_ids: Sequence[int] | np.ndarray,
+    dst_ids: Sequence[int] | np.ndarray,
+    num_src_blocks: int,
+    num_dst_blocks: int,
+    min_run_blocks: int,
+    alloc: StageAlloc,
+    *,
+    src_name: str = "source",
+    dst_name: str = "destination",
+) -> tuple[np.ndarray, int, tuple[object, np.ndarray, int] | None]:
+    """Validate, split into runs, and pack the kernel's pairs into ``alloc(n)``'s buffer.
+
+    Returns ``(runs, num_scattered, staged)``; ``staged`` is ``None`` only if
+    nothing was allocated. Same result and same errors as
+    ``validate_ids`` + ``split_runs`` + ``pack_ids``, but the common case — a
+    valid, scattered op — takes a handful of numpy calls (``count_nonzero``
+    rather than ``max``/``any``, which cost more on small arrays): range checks
+    on the ids viewed unsigned (negatives wrap to huge), duplicates by one
+    sort, runs by one subtraction over the packed pairs. Anything unusual takes
+    the slow path, which names the offending id. Nothing is allocated on error.
+    """
+    src, dst = np.asarray(src_ids), np.asarray(dst_ids)
+    n = src.size
+    us, ud = _UNSIGNED.get(src.dtype), _UNSIGNED.get(dst.dtype)
+    fast = us is not None and ud is not None and src.ndim == 1 and src.shape == dst.shape
+    cnt = np.count_nonzero
+    if fast and n and not cnt(src.view(us) >= num_src_blocks) and not cnt(
+        dst.view(ud) >= num_dst_blocks
+    ):
+        sd = np.sort(dst)
+        if not cnt(sd[1:] == sd[:-1]):
+            staged = alloc(n)
+            buf = staged[1]
+            buf[0::2] = src
+            buf[1::2] = dst
+            key = buf.view(np.int64)
+            m = min_run_blocks
+            if not (m and n >= m and cnt((key[1:] - key[:-1]) == _RUN_STEP) >= m - 1):
+                return _NO_RUNS, n, staged
+            runs = split_runs(buf[0::2].copy(), buf[1::2].copy(), m)
+            k = int(runs.src.size)
+            pack_ids(runs.src, runs.dst, out=buf)
+            return runs.runs, k, staged  # staged even if k == 0: the caller frees it
+    s, d = validate_ids(src_ids, dst_ids, num_src_blocks, num_dst_blocks,
+                        src_name=src_name, dst_name=dst_name)
+    runs = split_runs(s, d, min_run_blocks)
+    k = int(runs.src.size)
+    if k == 0:
+        return runs.runs, 0, None
+    staged = alloc(k)
+    pack_ids(runs.src, runs.dst, out=staged[1])
+    return runs.runs, k, staged

@@ -3,49 +3,48 @@
 ``BlockCopier`` moves blocks one way between two sets of per-layer, per-role
 buffers (device KV and pinned host KV, either direction). An op is first
 *prepared* — ids validated (nothing moves if one is bad), split into
-copy-engine runs and scattered pairs, pairs uploaded — and then *launched*
+copy-engine runs and scattered pairs, the pairs staged — and then *launched*
 for any layer range: one layer at a time (the backend, which records an event
 after each) or all layers at once.
 
-The kernel reads the id pairs straight from the op's pinned staging buffer
-(mapped host memory): no device allocation and no upload per op. Lifetime
-rule: a ``PreparedCopy`` owns that buffer, so keep it alive until its stream
-has passed the last launch (the backend drops it in the op's final host
-callback). Launch from one thread at a time (the event loop's).
+The kernel reads the id pairs straight from the op's slice of a pinned
+staging ring (mapped host memory) allocated once per copier: no allocation,
+no upload per op (``cudaHostAlloc`` would wait for the GPU). Lifetime rule: a
+``PreparedCopy`` owns its slice until ``release()`` (or garbage collection),
+so keep it until its stream has passed the last launch; the backend releases
+it in the op's final host callback. Use a copier from one thread (the event loop's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import ctypes
+import struct
+import warnings
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kernels._cuda import cupy_module, load_module
-from kernels.plan import (
-    Runs,
-    min_run_blocks_for,
-    pack_ids,
-    pointer_table,
-    role_table,
-    split_runs,
-    uniform_stride,
-    validate_ids,
-)
+from kernels.plan import min_run_blocks_for, pointer_table, role_table, stage_ids, uniform_stride
+from kernels.staging import RingAllocator, Slice
 
 #: Threads per CTA of the swap kernel (its ``__launch_bounds__``).
 THREADS = 1024
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
 DEFAULT_CTAS = 8
-#: Default source-load flavour (``KVFLOW_LOAD_VARIANT`` in ``swap_copy.cuh``).
+#: Default load / store flavours (``KVFLOW_LOAD_VARIANT`` / ``KVFLOW_STORE_VARIANT``).
 DEFAULT_LOAD_VARIANT = 0
+DEFAULT_STORE_VARIANT = 0
 #: Default run size (bytes per layer, all roles) from which a run goes to the copy engine.
 #: A memcpy costs microseconds of setup, so only long runs win there.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
+#: Default pinned staging per copier: 1 MiB holds 128K id pairs of ops in flight.
+DEFAULT_STAGING_BYTES = 1 << 20
 #: cudaMemcpyDefault: direction inferred from the (unified) addresses.
 _MEMCPY_DEFAULT = 4
 #: cudaMemcpy2D rejects pitches of 2 GiB and more.
 _MAX_PITCH = (1 << 31) - 1
+_PACK8 = struct.Struct("<8q")
 
 
 class SwapKernels:
@@ -58,59 +57,64 @@ class SwapKernels:
     at once).
     """
 
-    def __init__(self, device: int | None = None, load_variant: int = DEFAULT_LOAD_VARIANT) -> None:
+    def __init__(self, device: int | None = None, load_variant: int = DEFAULT_LOAD_VARIANT,
+                 store_variant: int = DEFAULT_STORE_VARIANT) -> None:
         cp = cupy_module()
         self.device = cp.cuda.runtime.getDevice() if device is None else device
-        self.load_variant = load_variant
-        module = load_module("swap.cu", self.device, (f"KVFLOW_LOAD_VARIANT={load_variant}",))
+        self.variant = (load_variant, store_variant)
+        defines = (f"KVFLOW_LOAD_VARIANT={load_variant}", f"KVFLOW_STORE_VARIANT={store_variant}")
+        module = load_module("swap.cu", self.device, defines)
         self._fn = module.get_function("kvflow_swap_blocks")
-        self._params = np.zeros(8, dtype=np.int64)
-        self._argv = np.array([self._params.ctypes.data + 8 * i for i in range(8)],
-                              dtype=np.uint64)
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._params = ctypes.create_string_buffer(64)
+        base = ctypes.addressof(self._params)
+        self._argv = (ctypes.c_void_p * 8)(*(base + 8 * i for i in range(8)))
+        self._argv_ptr = ctypes.addressof(self._argv)
         raw = getattr(cp.cuda.driver, "launchKernel", None)
         fptr = getattr(self._fn, "ptr", None)
         self._raw = (raw, int(fptr)) if raw is not None and fptr else None
 
-    def launch(
-        self,
-        stream: object,
-        *,
-        table: int,
-        roles: int,
-        num_roles: int,
-        chunks_per_block: int,
-        layer_begin: int,
-        num_layers: int,
-        ids: int,
-        num_blocks: int,
-        ctas: int,
-    ) -> None:
-        """Enqueue one launch; pointers are raw device (or mapped host) addresses."""
-        warps = num_blocks * chunks_per_block * num_layers
+    def launch(self, stream_ptr: int, ctas: int, args: tuple[int, ...]) -> None:
+        """Enqueue one launch. ``args``: table, roles, num_roles, chunks_per_block,
+        layer_begin, num_layers, ids, num_blocks (raw addresses and counts)."""
+        warps = args[7] * args[3] * args[5]
         if warps <= 0:
             return
-        grid = max(1, min(ctas, -(-warps // (THREADS // 32))))
-        args = (table, roles, num_roles, chunks_per_block, layer_begin, num_layers, ids, num_blocks)
-        if self._raw is None:
-            self._fn((grid,), (THREADS,), args, stream=stream)
+        grid = min(ctas, -(-warps // (THREADS // 32)))
+        if self._raw is None:  # pragma: no cover - CuPy without the driver binding
+            self._fn((grid,), (THREADS,), args, stream=_StreamPtr(stream_ptr))
             return
-        self._params[:] = args
+        _PACK8.pack_into(self._params, 0, *args)
         raw, fptr = self._raw
-        raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream.ptr, self._argv_ptr, 0)
+        raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
 
-@dataclass(eq=False)
+class _StreamPtr:
+    """Minimal stand-in for a CuPy stream where only ``.ptr`` is read."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
 class PreparedCopy:
     """A validated op, ready to launch for any layer range of its copier."""
 
-    runs: Runs
-    num_scattered: int
-    staging: object = None   # pinned (mapped) host int32 [num_scattered, 2], read by the kernel
+    __slots__ = ("_release", "ids_ptr", "num_scattered", "runs")
 
-    @property
-    def ids_ptr(self) -> int:
-        return int(self.staging.ptr) if self.staging is not None else 0
+    def __init__(self, runs: np.ndarray, num_scattered: int, ids_ptr: int,
+                 release: Callable[[], None] | None) -> None:
+        self.runs = runs                    # [k, 3] (src start, dst start, length) for the CE
+        self.num_scattered = num_scattered  # pairs the kernel copies
+        self.ids_ptr = ids_ptr              # their int32 pairs in mapped pinned memory
+        self._release = release
+
+    def release(self) -> None:
+        """Give the staging slice back; only once the GPU is past every launch of this op."""
+        rel, self._release = self._release, None
+        if rel is not None:
+            rel()
+
+    def __del__(self) -> None:
+        self.release()
 
 
 class BlockCopier:
@@ -131,6 +135,7 @@ class BlockCopier:
         *,
         ctas: int = DEFAULT_CTAS,
         min_run_bytes: int = DEFAULT_MIN_RUN_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
         kernels: SwapKernels | None = None,
         src_name: str = "source",
         dst_name: str = "destination",
@@ -144,6 +149,8 @@ class BlockCopier:
         self.role_bytes = [int(b) for b in role_bytes]
         if len(self.role_bytes) != self.num_roles:
             raise ValueError(f"{len(self.role_bytes)} role sizes for {self.num_roles} roles")
+        if max(num_src_blocks, num_dst_blocks) >= 1 << 31:
+            raise ValueError("block ids must fit in int32")
         self.num_src_blocks = num_src_blocks
         self.num_dst_blocks = num_dst_blocks
         self.ctas = ctas
@@ -155,6 +162,11 @@ class BlockCopier:
             self._table = cp.asarray(table)
             self._roles = cp.asarray(roles)
         self._table_ptr, self._roles_ptr = int(self._table.data.ptr), int(self._roles.data.ptr)
+        self._ring = RingAllocator(staging_bytes)
+        self._staging = cp.cuda.alloc_pinned_memory(self._ring.capacity)
+        self._staging_ptr = int(self._staging.ptr)
+        self._staging_i32 = np.ndarray((self._ring.capacity // 4,), np.int32, self._staging)
+        self._warned_full = False
         # 2-D memcpy over all layers needs a constant layer stride on both sides.
         self._strides: list[tuple[int, int] | None] = []
         for r in range(self.num_roles):
@@ -168,25 +180,38 @@ class BlockCopier:
         self,
         src_ids: Sequence[int] | np.ndarray,
         dst_ids: Sequence[int] | np.ndarray,
-        stream: object,
+        stream: object = None,
     ) -> PreparedCopy:
-        """Validate ids (``InvalidBlockId``: nothing enqueued), split them, stage them pinned.
+        """Validate ids (``InvalidBlockId``: nothing staged or enqueued), split, stage them.
 
-        ``stream`` is unused now (the kernel reads the staging buffer directly)
-        and kept so callers need not change if ids move to device memory.
+        See ``plan.stage_ids``; ``stream`` is unused (the kernel reads the staging).
         """
-        src, dst = validate_ids(
-            src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks,
-            src_name=self.src_name, dst_name=self.dst_name,
+        runs, n, staged = stage_ids(
+            src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks, self.min_run_blocks,
+            self._stage, src_name=self.src_name, dst_name=self.dst_name,
         )
-        runs = split_runs(src, dst, self.min_run_blocks)
-        n = int(runs.src.size)
-        prep = PreparedCopy(runs, n)
-        if n:
-            staging = self._cp.cuda.alloc_pinned_memory(8 * n)
-            pack_ids(runs.src, runs.dst, out=np.ndarray((2 * n,), dtype=np.int32, buffer=staging))
-            prep.staging = staging
-        return prep
+        if staged is None:
+            return PreparedCopy(runs, 0, 0, None)
+        sl, _, ptr = staged
+        if isinstance(sl, Slice):
+            ring = self._ring
+            return PreparedCopy(runs, n, ptr, lambda: ring.free(sl))
+        return PreparedCopy(runs, n, ptr, lambda: sl)  # the closure keeps the pool memory
+
+    def _stage(self, n: int) -> tuple[Slice | object, np.ndarray, int]:
+        """A pinned slice for ``n`` pairs: from the ring, else (rarely) CuPy's pinned pool."""
+        sl = self._ring.alloc(8 * n)
+        if sl is not None:
+            off = sl.offset
+            return sl, self._staging_i32[off // 4: off // 4 + 2 * n], self._staging_ptr + off
+        if not self._warned_full:
+            self._warned_full = True
+            warnings.warn(
+                "swap staging ring is full; falling back to cudaHostAlloc, which waits for the "
+                "GPU (raise staging_bytes)", RuntimeWarning, stacklevel=3,
+            )
+        mem = self._cp.cuda.alloc_pinned_memory(8 * n)
+        return mem, np.ndarray((2 * n,), np.int32, mem), int(mem.ptr)
 
     # ------------------------------------------------------------------ launch
     def launch(
@@ -206,20 +231,13 @@ class BlockCopier:
             raise ValueError(f"layer range [{layer_begin}, {end}) outside 0..{self.num_layers}")
         if num_layers == 0:
             return
-        if prep.runs.runs.size:
-            self._launch_runs(prep.runs.runs, stream, layer_begin, num_layers)
+        if prep.runs.size:
+            self._launch_runs(prep.runs, stream, layer_begin, num_layers)
         if prep.num_scattered:
             self.kernels.launch(
-                stream,
-                table=self._table_ptr,
-                roles=self._roles_ptr,
-                num_roles=self.num_roles,
-                chunks_per_block=self.chunks_per_block,
-                layer_begin=layer_begin,
-                num_layers=num_layers,
-                ids=prep.ids_ptr,
-                num_blocks=prep.num_scattered,
-                ctas=self.ctas if ctas is None else ctas,
+                stream.ptr, self.ctas if ctas is None else ctas,
+                (self._table_ptr, self._roles_ptr, self.num_roles, self.chunks_per_block,
+                 layer_begin, num_layers, prep.ids_ptr, prep.num_scattered),
             )
 
     def copy(

@@ -14,6 +14,12 @@
 #ifndef KVFLOW_LOAD_VARIANT
 #define KVFLOW_LOAD_VARIANT 0
 #endif
+// How destination vectors are stored: 0: default (write-back); 1: st.global.cs
+// (streaming); 2: st.global.wt (write-through). Matters when the destination is
+// host memory, where the L2 decides how writes leave for PCIe.
+#ifndef KVFLOW_STORE_VARIANT
+#define KVFLOW_STORE_VARIANT 0
+#endif
 
 namespace kvflow {
 
@@ -46,6 +52,16 @@ __device__ __forceinline__ uint4 load_vec(const uint4* p) {
 #endif
 }
 
+__device__ __forceinline__ void store_vec(uint4* p, const uint4& v) {
+#if KVFLOW_STORE_VARIANT == 0
+  *p = v;
+#elif KVFLOW_STORE_VARIANT == 1
+  __stcs(p, v);
+#else
+  __stwt(p, v);
+#endif
+}
+
 // Copy nvec 16-byte vectors (nvec <= kWarpSize * kUnroll) with the whole warp:
 // all loads are issued before the first store so 8 requests per lane are in flight.
 __device__ __forceinline__ void warp_copy_chunk(const uint4* __restrict__ src,
@@ -60,7 +76,7 @@ __device__ __forceinline__ void warp_copy_chunk(const uint4* __restrict__ src,
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
     const int i = lane + k * kWarpSize;
-    if (i < nvec) dst[i] = buf[k];
+    if (i < nvec) store_vec(dst + i, buf[k]);
   }
 }
 

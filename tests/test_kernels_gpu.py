@@ -111,7 +111,7 @@ def test_round_trip_bit_exact(name: str, min_run_bytes: int) -> None:
     spec = SPECS[name]
     rng = np.random.default_rng(zlib.crc32(name.encode()) + min_run_bytes)
     nd, nh, n = 96, 200, 80
-    backend = CudaBackend(spec, nd, nh, ctas=4, min_run_bytes=min_run_bytes)
+    backend = CudaBackend(spec, nd, nh, load_ctas=4, store_ctas=4, min_run_bytes=min_run_bytes)
     fill_random(backend, rng)
     host_src, dev = mixed_ids(rng, n, nh, nd)
     free_host = sorted(set(range(nh)) - set(host_src))
@@ -138,6 +138,45 @@ def test_round_trip_bit_exact(name: str, min_run_bytes: int) -> None:
             np.testing.assert_array_equal(h[host_dst], h[host_src], err_msg=f"{layer}/{role} d2h")
 
 
+@pytest.mark.parametrize("per_launch", [2, 5])
+def test_layer_groups_report_every_layer_in_order(per_launch: int) -> None:
+    """``layers_per_launch`` > 1: fewer launches, still one report and one event per layer."""
+    spec = SPECS["mha-fp8"].replace(num_layers=5)
+    rng = np.random.default_rng(per_launch)
+    backend = CudaBackend(spec, 64, 64, layers_per_launch=per_launch, min_run_bytes=1)
+    fill_random(backend, rng)
+    host_src, dev = mixed_ids(rng, 40, 64, 64)
+
+    async def main() -> FutureSink:
+        sink = FutureSink(spec.num_layers)
+        backend.submit(op(OpKind.SWAP_IN, host_src, dev), sink, ())
+        await sink.wait()
+        return sink
+
+    assert run(main).reported == list(range(spec.num_layers))
+    for layer in range(spec.num_layers):
+        for role in backend.roles:
+            d = cp.asnumpy(backend.device_kv(layer, role))
+            np.testing.assert_array_equal(d[dev], backend.host_kv(layer, role)[host_src])
+
+
+def test_staging_ring_overflow_falls_back_and_stays_exact() -> None:
+    spec = SPECS["mha-bf16"]
+    rng = np.random.default_rng(9)
+    backend = CudaBackend(spec, 64, 64, staging_bytes=256)  # room for 32 pairs at a time
+    fill_random(backend, rng)
+    keeps, pairs = [], []
+    with pytest.warns(RuntimeWarning, match="staging ring is full"):
+        for _ in range(3):
+            host_src, dev = mixed_ids(rng, 30, 64, 64)
+            keeps.append(backend.h2d.copy(host_src, dev, backend.load_stream))
+            pairs.append((host_src, dev))
+            backend.synchronize()
+            for layer in range(spec.num_layers):
+                d = cp.asnumpy(backend.device_kv(layer, "v"))
+                np.testing.assert_array_equal(d[dev], backend.host_kv(layer, "v")[host_src])
+
+
 @pytest.mark.parametrize("ctas", [1, 2, 16])
 def test_all_layer_launch_bit_exact(ctas: int) -> None:
     """The one-launch path over all layers (used by benchmarks and bulk moves)."""
@@ -160,16 +199,16 @@ def test_all_layer_launch_bit_exact(ctas: int) -> None:
             k += 1
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3])
-def test_load_variants_bit_exact(variant: int) -> None:
-    """Every source-load flavour the benchmark compares copies the same bytes."""
+@pytest.mark.parametrize("variant", [(0, 0), (1, 0), (2, 1), (3, 2)])
+def test_load_store_variants_bit_exact(variant: tuple[int, int]) -> None:
+    """Every load/store flavour the benchmark compares copies the same bytes."""
     spec = SPECS["mla-fp8-dsa"]
-    rng = np.random.default_rng(variant)
+    rng = np.random.default_rng(variant[0] * 3 + variant[1])
     backend = CudaBackend(spec, 64, 128)
     fill_random(backend, rng)
     h2d = backend.h2d
     copier = BlockCopier(h2d.src_bases, h2d.dst_bases, backend.role_bytes, 128, 64,
-                         min_run_bytes=0, kernels=SwapKernels(load_variant=variant))
+                         min_run_bytes=0, kernels=SwapKernels(None, *variant))
     host_src, dev = mixed_ids(rng, 50, 128, 64)
     keep = copier.copy(host_src, dev, backend.load_stream)
     backend.synchronize()
@@ -253,7 +292,7 @@ def test_many_concurrent_tasks_both_directions() -> None:
     spec = SPECS["mha-fp8"]
     rng = np.random.default_rng(11)
     nd, nh, k, per = 384, 512, 16, 8
-    backend = CudaBackend(spec, nd, nh, ctas=2)
+    backend = CudaBackend(spec, nd, nh, load_ctas=2, store_ctas=2)
     fill_random(backend, rng)
     dev_perm = rng.permutation(nd).tolist()
     host_perm = rng.permutation(nh).tolist()

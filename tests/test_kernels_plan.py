@@ -16,6 +16,7 @@ from kernels.plan import (
     pointer_table,
     role_table,
     split_runs,
+    stage_ids,
     uniform_stride,
     validate_ids,
 )
@@ -157,3 +158,50 @@ def test_uniform_stride() -> None:
 
 def test_pack_ids_interleaves() -> None:
     assert pack_ids(np.array([1, 2]), np.array([7, 8])).tolist() == [1, 7, 2, 8]
+
+
+# ---------------------------------------------------------------- stage_ids (the fast path)
+def _alloc_into(arena: np.ndarray):
+    def alloc(n: int) -> tuple[object, np.ndarray, int]:
+        return "slice", arena[: 2 * n], 0
+    return alloc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stage_ids_matches_slow_path(seed: int) -> None:
+    """Same runs, pairs and errors (same message) as validate_ids + split_runs, any dtype."""
+    rng = np.random.default_rng(seed)
+    arena = np.zeros(256, dtype=np.int32)
+    for _ in range(600):
+        n = int(rng.integers(0, 40))
+        kind = int(rng.integers(0, 6))
+        src = rng.integers(0, 100, n)
+        dst = rng.permutation(50)[:n]
+        if kind == 1 and n:
+            src[rng.integers(n)] = rng.choice([-1, 100, 2**40])
+        if kind == 2 and n:
+            dst[rng.integers(n)] = rng.choice([-5, 50, 2**33 + 1])
+        if kind == 3 and n > 1:
+            dst[1] = dst[0]
+        if kind == 4 and n > 5:
+            s0, d0 = int(rng.integers(0, 90)), int(rng.integers(0, 40))
+            src[:5] = np.arange(s0, s0 + 5)
+            rest = [x for x in rng.permutation(50) if not d0 <= x < d0 + 5][: n - 5]
+            dst = np.concatenate([np.arange(d0, d0 + 5), rest])
+        dtype = [np.int32, np.int64, np.uint32][int(rng.integers(3))]
+        s_in = src.tolist() if kind == 5 else src.astype(dtype)
+        d_in = dst.tolist() if kind == 5 else dst.astype(np.int64)
+        try:
+            ref = split_runs(*validate_ids(s_in, d_in, 100, 50), 3)
+        except InvalidBlockId as exc:
+            with pytest.raises(InvalidBlockId) as got:
+                stage_ids(s_in, d_in, 100, 50, 3, _alloc_into(arena))
+            assert str(got.value) == str(exc)
+            continue
+        runs, k, staged = stage_ids(s_in, d_in, 100, 50, 3, _alloc_into(arena))
+        assert runs.tolist() == ref.runs.tolist()
+        assert k == ref.src.size
+        if k:
+            buf = staged[1]
+            assert buf[0:2 * k:2].tolist() == ref.src.tolist()
+            assert buf[1:2 * k:2].tolist() == ref.dst.tolist()
