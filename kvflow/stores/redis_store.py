@@ -1,0 +1,283 @@
+"""A block store in Redis: blocks shared between engines on different machines.
+
+Each block is one Redis string ``<prefix>:<namespace.name>:<key>`` holding the
+same checksummed blob as a local file (see ``kvflow.stores.base``). Gets go out
+as ``MGET`` and puts as non-transactional pipelines of ``SET`` (optionally with
+a TTL), ``batch_size`` keys per round trip, so a batch of blocks costs one
+round trip per ``batch_size`` keys, not one per block.
+
+Failure semantics (the store is a cache; the caller recomputes):
+
+* the server is unreachable, times out or refuses a command (``OOM`` when it
+  is at ``maxmemory`` with ``noeviction``) -> the affected gets are misses, the
+  affected puts ``False``; ``errors`` counts each failed round trip or refused
+  command; the exception is never raised to the caller.
+* after a connection failure the store stays *down* for ``retry_interval_s``:
+  calls answer at once (misses / ``False``, counted as errors) instead of
+  paying a connect timeout each. The first call after that interval tries
+  again; redis-py's pool reconnects, so the store serves again as soon as the
+  server is back (same address), with no action by the caller.
+* a blob failing its checksum or header check is a miss counted as
+  ``corrupt`` and is deleted.
+
+Capacity is the server's business (``maxmemory`` plus an eviction policy such
+as ``allkeys-lru``); ``evictions`` stays 0 here. ``redis`` (redis-py) is an
+optional extra: it is imported when a ``RedisStore`` is created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.stores.base import (
+    BlockStore,
+    MissingDependencyError,
+    Namespace,
+    StoreStats,
+    encode_blob,
+    encode_key,
+    storage_name,
+)
+
+
+def _import_redis() -> Any:
+    try:
+        import redis
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "RedisStore needs the 'redis' package: pip install 'kvflow[redis]'"
+        ) from exc
+    return redis
+
+
+class RedisStore(BlockStore):
+    """Blocks in a Redis server; see the module docstring for the failure semantics.
+
+    Give either ``url`` (``redis://[:password@]host:port/db``) or ``host`` /
+    ``port`` / ``db`` / ``password``. ``ttl_s`` sets an expiry on every block
+    (``None``: none). ``socket_timeout`` bounds one round trip (a hung server
+    costs a worker thread at most that long); ``connect_timeout`` one connect.
+    """
+
+    def __init__(
+        self,
+        namespace: Namespace,
+        url: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 6379,
+        db: int = 0,
+        password: str | None = None,
+        ttl_s: float | None = None,
+        socket_timeout: float = 1.0,
+        connect_timeout: float = 1.0,
+        retry_interval_s: float = 1.0,
+        batch_size: int = 64,
+        max_connections: int = 32,
+        key_prefix: str = "kvflow",
+    ) -> None:
+        super().__init__(namespace)
+        redis = _import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        if ttl_s is not None and ttl_s <= 0:
+            raise ConfigError(f"ttl_s must be positive or None, got {ttl_s!r}")
+        if batch_size <= 0:
+            raise ConfigError(f"batch_size must be positive, got {batch_size!r}")
+        if retry_interval_s < 0:
+            raise ConfigError(f"retry_interval_s must be >= 0, got {retry_interval_s!r}")
+        self.ttl_s = ttl_s
+        self.batch_size = batch_size
+        self.retry_interval_s = retry_interval_s
+        self._prefix = f"{key_prefix}:{namespace.name}:".encode()
+        # One immediate retry on a connection error: after a server restart the
+        # pooled sockets are dead and the retry reconnects. No retry on timeouts
+        # (that would double the wait) and no backoff (the caller has a deadline).
+        opts: dict[str, Any] = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+            max_connections=max_connections,
+        )
+        if url is not None:
+            self._client = redis.Redis.from_url(url, **opts)
+            self.address = url
+        else:
+            self._client = redis.Redis(host=host, port=port, db=db, password=password, **opts)
+            self.address = f"redis://{host}:{port}/{db}"
+        self._errors = redis.exceptions.RedisError
+        self._conn_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+        self._down_until = 0.0
+        self._down_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _rkey(self, enc: str) -> bytes:
+        return self._prefix + storage_name(enc).encode()
+
+    def _is_down(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _failed(self, exc: BaseException, delta: StoreStats) -> None:
+        """Count one failed round trip; a connection failure marks the server down."""
+        self._note_error(exc)
+        delta.errors += 1
+        if isinstance(exc, self._conn_errors):
+            with self._down_lock:
+                self._down_until = time.monotonic() + self.retry_interval_s
+
+    @property
+    def is_down(self) -> bool:
+        """Whether calls are being answered without trying the server (after a failure)."""
+        return self._is_down()
+
+    def ping(self) -> bool:
+        """Whether the server answers now (ignores and resets the down window)."""
+        try:
+            ok = bool(self._client.ping())
+        except self._errors:
+            return False
+        if ok:
+            self._down_until = 0.0
+        return ok
+
+    def _chunks(self, n: int) -> range:
+        return range(0, n, self.batch_size)
+
+    # ---------------------------------------------------------------------- API
+
+    def get_many(self, keys: Sequence[Hashable]) -> list[bytes | None]:
+        self._check_open()
+        encoded = [encode_key(k) for k in keys]
+        out: list[bytes | None] = [None] * len(encoded)
+        delta = StoreStats()
+        bad: list[bytes] = []
+        for lo in self._chunks(len(encoded)):
+            chunk = encoded[lo:lo + self.batch_size]
+            if self._is_down():
+                delta.errors += 1
+                continue
+            try:
+                blobs = self._client.mget([self._rkey(e) for e in chunk])
+            except self._errors as exc:
+                self._failed(exc, delta)
+                continue
+            for i, (enc, blob) in enumerate(zip(chunk, blobs, strict=True)):
+                if blob is None:
+                    continue
+                payload = self._decode(blob, enc)
+                if payload is None:
+                    delta.corrupt += 1
+                    bad.append(self._rkey(enc))
+                    continue
+                out[lo + i] = payload
+                delta.hits += 1
+                delta.bytes_read += len(payload)
+        delta.misses += sum(1 for p in out if p is None)
+        if bad:
+            try:
+                self._client.delete(*bad)
+            except self._errors as exc:
+                self._failed(exc, delta)
+        self._count(delta)
+        return out
+
+    def put_many(self, items: Sequence[tuple[Hashable, bytes]]) -> list[bool]:
+        self._check_open()
+        prepared = [(encode_key(k), self._check_payload(k, p)) for k, p in items]
+        out = [False] * len(prepared)
+        delta = StoreStats()
+        px = None if self.ttl_s is None else max(1, round(self.ttl_s * 1000))
+        for lo in self._chunks(len(prepared)):
+            chunk = prepared[lo:lo + self.batch_size]
+            if self._is_down():
+                delta.errors += 1
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for enc, payload in chunk:
+                pipe.set(self._rkey(enc), encode_blob(self.namespace.layout, enc, payload), px=px)
+            try:
+                results = pipe.execute(raise_on_error=False)
+            except self._errors as exc:
+                self._failed(exc, delta)
+                continue
+            finally:
+                pipe.reset()
+            for i, ((_, payload), res) in enumerate(zip(chunk, results, strict=True)):
+                if isinstance(res, BaseException):  # e.g. OOM at maxmemory with noeviction
+                    self._failed(res, delta)
+                elif res:
+                    out[lo + i] = True
+                    delta.put_ok += 1
+                    delta.bytes_written += payload.nbytes
+        delta.put_failed += sum(1 for ok in out if not ok)
+        self._count(delta)
+        return out
+
+    def contains_many(self, keys: Sequence[Hashable]) -> list[bool]:
+        self._check_open()
+        encoded = [encode_key(k) for k in keys]
+        out = [False] * len(encoded)
+        delta = StoreStats()
+        for lo in self._chunks(len(encoded)):
+            chunk = encoded[lo:lo + self.batch_size]
+            if self._is_down():
+                delta.errors += 1
+                continue
+            pipe = self._client.pipeline(transaction=False)
+            for enc in chunk:
+                pipe.exists(self._rkey(enc))
+            try:
+                results = pipe.execute()
+            except self._errors as exc:
+                self._failed(exc, delta)
+                continue
+            finally:
+                pipe.reset()
+            for i, res in enumerate(results):
+                out[lo + i] = bool(res)
+        self._count(delta)
+        return out
+
+    def delete(self, key: Hashable) -> bool:
+        self._check_open()
+        delta = StoreStats()
+        try:
+            n = self._client.delete(self._rkey(encode_key(key)))
+        except self._errors as exc:
+            self._failed(exc, delta)
+            self._count(delta)
+            return False
+        return bool(n)
+
+    def clear(self) -> int:
+        """Delete every block of this namespace (SCAN + UNLINK); how many were deleted.
+
+        A maintenance call, not on the data path: redis-py errors propagate.
+        """
+        self._check_open()
+        n = 0
+        batch: list[bytes] = []
+        for k in self._client.scan_iter(match=self._prefix + b"*", count=1000):
+            batch.append(k)
+            if len(batch) >= 1000:
+                n += self._client.unlink(*batch)
+                batch.clear()
+        if batch:
+            n += self._client.unlink(*batch)
+        return n
+
+    def close(self) -> None:
+        if not self._closed:
+            super().close()
+            with contextlib.suppress(self._errors):
+                self._client.close()
+
+    def __repr__(self) -> str:
+        return f"RedisStore({self.address!r}, namespace={self.namespace.name!r})"
