@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.errors import KvflowError
+from sim.report_cli import register as register_report_commands
 from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(trace_app, name="trace")
+register_report_commands(app)
 
 
 class Mode(str, Enum):
