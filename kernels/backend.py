@@ -26,9 +26,10 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.swap import (
-    DEFAULT_CTAS,
+    DEFAULT_LOAD_CTAS,
     DEFAULT_MIN_RUN_BYTES,
     DEFAULT_STAGING_BYTES,
+    DEFAULT_STORE_CTAS,
     BlockCopier,
     PreparedCopy,
     SwapKernels,
@@ -136,7 +137,8 @@ class CudaBackend:
     ``load_ctas``/``store_ctas``: CTAs per launch each way (few: compute keeps
     the GPU). ``layers_per_launch`` > 1 trades per-layer granularity for less
     host time: one launch and one host callback per group of layers (each
-    layer still gets its own event, recorded when its group lands).
+    layer still gets its own event, recorded when its group lands). ``engine``
+    picks the copy kernel (see ``SwapKernels``).
     """
 
     def __init__(
@@ -145,11 +147,12 @@ class CudaBackend:
         num_device_blocks: int,
         num_host_blocks: int,
         *,
-        load_ctas: int = DEFAULT_CTAS,
-        store_ctas: int = DEFAULT_CTAS,
+        load_ctas: int = DEFAULT_LOAD_CTAS,
+        store_ctas: int = DEFAULT_STORE_CTAS,
         min_run_bytes: int = DEFAULT_MIN_RUN_BYTES,
         layers_per_launch: int = 1,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        engine: str = "sm",
         device: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
@@ -185,7 +188,7 @@ class CudaBackend:
             # they go on side streams that wait on the layer events: copies never stall.
             self._load_notify = cp.cuda.Stream(non_blocking=True)
             self._store_notify = cp.cuda.Stream(non_blocking=True)
-            kernels = SwapKernels(self.device)
+            kernels = SwapKernels(self.device, engine=engine)
             dev_bases = np.array([[a.data.ptr + layer * a.strides[0] for a in self._dev]
                                   for layer in range(L)], dtype=np.int64)
             host_bases = np.array([[m.ptr + layer * h.strides[0]

@@ -8,7 +8,7 @@ for any layer range: one layer at a time (the backend, which records an event
 after each) or all layers at once.
 
 The kernel reads the id pairs straight from the op's slice of a pinned
-staging ring (mapped host memory) allocated once per copier: no allocation,
+staging buffer (mapped host memory) allocated once per copier: no allocation,
 no upload per op (``cudaHostAlloc`` would wait for the GPU). Lifetime rule: a
 ``PreparedCopy`` owns its slice until ``release()`` (or garbage collection),
 so keep it until its stream has passed the last launch; the backend releases
@@ -25,20 +25,33 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kernels._cuda import cupy_module, load_module
-from kernels.plan import min_run_blocks_for, pointer_table, role_table, stage_ids, uniform_stride
-from kernels.staging import RingAllocator, Slice
+from kernels.plan import (
+    CHUNK_BYTES,
+    min_run_blocks_for,
+    pointer_table,
+    role_table,
+    stage_ids,
+    uniform_stride,
+)
+from kernels.staging import SlabAllocator, Slice
 
 #: Threads per CTA of the swap kernel (its ``__launch_bounds__``).
 THREADS = 1024
+#: Shared-memory slots (= threads) per CTA of the bulk-copy kernel (<= 64, its bounds).
+BULK_SLOTS = 48
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
 DEFAULT_CTAS = 8
+#: The backend's defaults each way (H100 sweep: 4 CTAs saturate host -> device and
+#: 2 device -> host; 4 + 2 was the best split with both ways at once).
+DEFAULT_LOAD_CTAS = 4
+DEFAULT_STORE_CTAS = 2
 #: Default load / store flavours (``KVFLOW_LOAD_VARIANT`` / ``KVFLOW_STORE_VARIANT``).
 DEFAULT_LOAD_VARIANT = 0
 DEFAULT_STORE_VARIANT = 0
 #: Default run size (bytes per layer, all roles) from which a run goes to the copy engine.
 #: A memcpy costs microseconds of setup, so only long runs win there.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
-#: Default pinned staging per copier: 1 MiB holds 128K id pairs of ops in flight.
+#: Default pinned staging per copier: 1 MiB holds ~64K id pairs of ops in flight.
 DEFAULT_STAGING_BYTES = 1 << 20
 #: cudaMemcpyDefault: direction inferred from the (unified) addresses.
 _MEMCPY_DEFAULT = 4
@@ -55,37 +68,54 @@ class SwapKernels:
     arguments into one reused buffer and calls ``cuLaunchKernel`` directly
     (the driver copies the arguments at launch, so the buffer is free again
     at once).
+
+    ``engine``: ``"sm"`` (``swap.cu``: warps copy with 16-byte vectors) or
+    ``"bulk"`` (``swap_bulk.cu``, experimental: Hopper bulk copies through
+    shared memory, one slot per thread).
     """
 
     def __init__(self, device: int | None = None, load_variant: int = DEFAULT_LOAD_VARIANT,
-                 store_variant: int = DEFAULT_STORE_VARIANT) -> None:
+                 store_variant: int = DEFAULT_STORE_VARIANT, engine: str = "sm") -> None:
         cp = cupy_module()
         self.device = cp.cuda.runtime.getDevice() if device is None else device
         self.variant = (load_variant, store_variant)
+        self.engine = engine
         defines = (f"KVFLOW_LOAD_VARIANT={load_variant}", f"KVFLOW_STORE_VARIANT={store_variant}")
-        module = load_module("swap.cu", self.device, defines)
-        self._fn = module.get_function("kvflow_swap_blocks")
+        if engine == "sm":
+            module = load_module("swap.cu", self.device, defines)
+            self._fn = module.get_function("kvflow_swap_blocks")
+            self.threads, self.shared, self._units_per_cta = THREADS, 0, THREADS // 32
+        elif engine == "bulk":
+            module = load_module("swap_bulk.cu", self.device, defines)
+            self._fn = module.get_function("kvflow_swap_blocks_bulk")
+            self.threads, self._units_per_cta = BULK_SLOTS, BULK_SLOTS
+            self.shared = BULK_SLOTS * CHUNK_BYTES
+            self._fn.max_dynamic_shared_size_bytes = self.shared
+        else:
+            raise ValueError(f"engine must be 'sm' or 'bulk', got {engine!r}")
         self._params = ctypes.create_string_buffer(64)
         base = ctypes.addressof(self._params)
         self._argv = (ctypes.c_void_p * 8)(*(base + 8 * i for i in range(8)))
         self._argv_ptr = ctypes.addressof(self._argv)
         raw = getattr(cp.cuda.driver, "launchKernel", None)
-        fptr = getattr(self._fn, "ptr", None)
+        # RawModule.get_function gives a RawKernel; its compiled Function has the pointer.
+        fptr = getattr(getattr(self._fn, "kernel", self._fn), "ptr", None)
         self._raw = (raw, int(fptr)) if raw is not None and fptr else None
 
     def launch(self, stream_ptr: int, ctas: int, args: tuple[int, ...]) -> None:
         """Enqueue one launch. ``args``: table, roles, num_roles, chunks_per_block,
         layer_begin, num_layers, ids, num_blocks (raw addresses and counts)."""
-        warps = args[7] * args[3] * args[5]
-        if warps <= 0:
+        units = args[7] * args[3] * args[5]
+        if units <= 0:
             return
-        grid = min(ctas, -(-warps // (THREADS // 32)))
+        grid = min(ctas, -(-units // self._units_per_cta))
         if self._raw is None:  # pragma: no cover - CuPy without the driver binding
-            self._fn((grid,), (THREADS,), args, stream=_StreamPtr(stream_ptr))
+            self._fn((grid,), (self.threads,), args, shared_mem=self.shared,
+                     stream=_StreamPtr(stream_ptr))
             return
         _PACK8.pack_into(self._params, 0, *args)
         raw, fptr = self._raw
-        raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
+        raw(fptr, grid, 1, 1, self.threads, 1, 1, self.shared, stream_ptr, self._argv_ptr, 0)
 
 
 class _StreamPtr:
@@ -162,10 +192,10 @@ class BlockCopier:
             self._table = cp.asarray(table)
             self._roles = cp.asarray(roles)
         self._table_ptr, self._roles_ptr = int(self._table.data.ptr), int(self._roles.data.ptr)
-        self._ring = RingAllocator(staging_bytes)
-        self._staging = cp.cuda.alloc_pinned_memory(self._ring.capacity)
+        self._slabs = SlabAllocator(staging_bytes)
+        self._staging = cp.cuda.alloc_pinned_memory(self._slabs.capacity)
         self._staging_ptr = int(self._staging.ptr)
-        self._staging_i32 = np.ndarray((self._ring.capacity // 4,), np.int32, self._staging)
+        self._staging_i32 = np.ndarray((self._slabs.capacity // 4,), np.int32, self._staging)
         self._warned_full = False
         # 2-D memcpy over all layers needs a constant layer stride on both sides.
         self._strides: list[tuple[int, int] | None] = []
@@ -194,20 +224,20 @@ class BlockCopier:
             return PreparedCopy(runs, 0, 0, None)
         sl, _, ptr = staged
         if isinstance(sl, Slice):
-            ring = self._ring
-            return PreparedCopy(runs, n, ptr, lambda: ring.free(sl))
+            slabs = self._slabs
+            return PreparedCopy(runs, n, ptr, lambda: slabs.free(sl))
         return PreparedCopy(runs, n, ptr, lambda: sl)  # the closure keeps the pool memory
 
     def _stage(self, n: int) -> tuple[Slice | object, np.ndarray, int]:
-        """A pinned slice for ``n`` pairs: from the ring, else (rarely) CuPy's pinned pool."""
-        sl = self._ring.alloc(8 * n)
+        """A pinned slice for ``n`` pairs: from the slabs, else (rarely) CuPy's pinned pool."""
+        sl = self._slabs.alloc(8 * n)
         if sl is not None:
             off = sl.offset
             return sl, self._staging_i32[off // 4: off // 4 + 2 * n], self._staging_ptr + off
         if not self._warned_full:
             self._warned_full = True
             warnings.warn(
-                "swap staging ring is full; falling back to cudaHostAlloc, which waits for the "
+                "swap staging buffer is full; falling back to cudaHostAlloc, which waits for the "
                 "GPU (raise staging_bytes)", RuntimeWarning, stacklevel=3,
             )
         mem = self._cp.cuda.alloc_pinned_memory(8 * n)

@@ -160,13 +160,13 @@ def test_layer_groups_report_every_layer_in_order(per_launch: int) -> None:
             np.testing.assert_array_equal(d[dev], backend.host_kv(layer, role)[host_src])
 
 
-def test_staging_ring_overflow_falls_back_and_stays_exact() -> None:
+def test_staging_overflow_falls_back_and_stays_exact() -> None:
     spec = SPECS["mha-bf16"]
     rng = np.random.default_rng(9)
     backend = CudaBackend(spec, 64, 64, staging_bytes=256)  # room for 32 pairs at a time
     fill_random(backend, rng)
     keeps, pairs = [], []
-    with pytest.warns(RuntimeWarning, match="staging ring is full"):
+    with pytest.warns(RuntimeWarning, match="staging buffer is full"):
         for _ in range(3):
             host_src, dev = mixed_ids(rng, 30, 64, 64)
             keeps.append(backend.h2d.copy(host_src, dev, backend.load_stream))

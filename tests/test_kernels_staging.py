@@ -1,4 +1,4 @@
-"""CPU tests of the pinned-staging ring allocator (offsets only, no GPU)."""
+"""CPU tests of the pinned-staging allocator (offsets only, no GPU)."""
 
 from __future__ import annotations
 
@@ -6,60 +6,52 @@ import random
 
 import pytest
 
-from kernels.staging import ALIGN, RingAllocator
+from kernels.staging import ALIGN, SlabAllocator
 
 
-def test_alloc_aligns_and_packs() -> None:
-    r = RingAllocator(4 * ALIGN)
-    a, b = r.alloc(1), r.alloc(ALIGN + 1)
-    assert (a.offset, a.size) == (0, ALIGN)
-    assert (b.offset, b.size) == (ALIGN, 2 * ALIGN)
-    assert r.bytes_in_use == 3 * ALIGN
-    assert r.alloc(2 * ALIGN) is None  # only one ALIGN left at the end, nothing freed yet
-    assert r.alloc(5 * ALIGN) is None  # larger than the ring
+def test_sizes_round_up_to_power_of_two_classes() -> None:
+    a = SlabAllocator(16 * ALIGN)
+    s1, s2, s3 = a.alloc(1), a.alloc(ALIGN + 1), a.alloc(3 * ALIGN)
+    assert (s1.offset, s1.size) == (0, ALIGN)
+    assert (s2.offset, s2.size) == (ALIGN, 2 * ALIGN)
+    assert (s3.offset, s3.size) == (3 * ALIGN, 4 * ALIGN)
+    assert a.bytes_in_use == 7 * ALIGN
+    assert a.alloc(32 * ALIGN) is None  # larger than the buffer
 
 
-def test_wraps_after_oldest_frees_and_reclaims_out_of_order() -> None:
-    r = RingAllocator(4 * ALIGN)
-    a, b, c = r.alloc(ALIGN), r.alloc(ALIGN), r.alloc(ALIGN)
-    r.free(b)  # out of order: not reclaimable while a lives
-    assert r.alloc(2 * ALIGN) is None
-    r.free(a)  # now a and b go; free space is [3A, 4A) and [0, 2A)
-    d = r.alloc(2 * ALIGN)
-    assert d.offset == 0  # wrapped: [3A, 4A) waits until the tail passes it
-    assert r.alloc(ALIGN) is None
-    r.free(c)
-    assert r.alloc(2 * ALIGN).offset == 2 * ALIGN
-
-
-def test_empty_ring_restarts_at_zero() -> None:
-    r = RingAllocator(4 * ALIGN)
-    s = r.alloc(3 * ALIGN)
-    r.free(s)
-    assert r.bytes_in_use == 0
-    assert r.alloc(4 * ALIGN).offset == 0
+def test_frees_in_any_order_are_reused_by_class() -> None:
+    a = SlabAllocator(4 * ALIGN)
+    s = [a.alloc(ALIGN) for _ in range(4)]
+    assert a.alloc(ALIGN) is None
+    a.free(s[2])  # out of order: still reusable at once
+    assert a.alloc(ALIGN).offset == s[2].offset
+    a.free(s[0])
+    a.free(s[0])  # double free ignored
+    assert a.bytes_in_use == 3 * ALIGN
+    assert a.alloc(2 * ALIGN) is None  # no 2-slot class carved, no room to carve one
 
 
 def test_rejects_tiny_capacity() -> None:
     with pytest.raises(ValueError, match="at least"):
-        RingAllocator(ALIGN - 1)
+        SlabAllocator(ALIGN - 1)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_random_live_slices_never_overlap(seed: int) -> None:
     rng = random.Random(seed)
-    r = RingAllocator(64 * ALIGN)
+    a = SlabAllocator(256 * ALIGN)
     live = []
-    for _ in range(2000):
+    for _ in range(3000):
         if live and rng.random() < 0.45:
-            r.free(live.pop(rng.randrange(len(live))))
+            a.free(live.pop(rng.randrange(len(live))))
         else:
-            s = r.alloc(rng.randint(1, 8 * ALIGN))
+            s = a.alloc(rng.randint(1, 8 * ALIGN))
             if s is not None:
-                assert s.offset >= 0 and s.offset + s.size <= r.capacity
+                assert s.offset >= 0 and s.offset + s.size <= a.capacity
                 for o in live:
                     assert s.offset + s.size <= o.offset or o.offset + o.size <= s.offset
                 live.append(s)
+        assert a.bytes_in_use == sum(s.size for s in live)
     for s in live:
-        r.free(s)
-    assert r.bytes_in_use == 0
+        a.free(s)
+    assert a.bytes_in_use == 0
