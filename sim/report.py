@@ -354,14 +354,20 @@ def sections(report: Mapping[str, Any]) -> list[Section]:
     )
     out.append(Section("links", ("link", "bytes", "utilisation"), links))
 
-    pe = tuple(
+    pe = [
         (m.label, fmt_count(flat[m.key]))
         for m in METRICS
         if (m.key.startswith(("prefetch.", "errors.")) or m.key == "truncated")
         and flat[m.key] is not None
-    )
+    ]
+    for group in ("prefetch", "errors"):  # counters newer than METRICS: shown, not hidden
+        extra = report.get(group)
+        if isinstance(extra, Mapping):
+            for k, v in extra.items():
+                if f"{group}.{k}" not in METRIC_BY_KEY and _number(v) is not None:
+                    pe.append((f"{group} {k}".replace("_", " "), fmt_count(_number(v))))
     out.append(
-        Section("prefetch and errors", ("", "count"), pe, note="" if pe else "none recorded")
+        Section("prefetch and errors", ("", "count"), tuple(pe), note="" if pe else "none recorded")
     )
     return out
 

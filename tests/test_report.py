@@ -115,6 +115,12 @@ def test_tables_contain_the_numbers_of_the_json() -> None:
     assert R.fmt_secs(report["e2e_s"]["mean"]) in text
 
 
+def test_unknown_counters_are_shown_not_hidden() -> None:
+    report = make_report()
+    report["prefetch"]["timed_out"] = 4321
+    assert "prefetch timed out" in rendered(report) and "4,321" in rendered(report)
+
+
 def test_cache_mode_report_says_no_timing() -> None:
     report = make_report(mode="cache")
     text = rendered(report)
