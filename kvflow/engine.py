@@ -81,6 +81,19 @@ class ComputeExecutor(Protocol):
         ...
 
 
+class MultiStepExecutor(ComputeExecutor, Protocol):
+    """An executor that can run several pure-decode steps as one (the simulator)."""
+
+    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
+                               until: float | None) -> int:
+        """Run up to ``max_steps`` decode steps, the i-th with contexts + i.
+
+        Stops after the step that ends at or past ``until`` (loop time), always
+        running at least one; returns how many ran.
+        """
+        ...
+
+
 @dataclass(eq=False)
 class RequestState:
     req: EngineRequest
@@ -127,6 +140,9 @@ class Engine:
         self._wake = asyncio.Event()
         self._closed = False
         self.on_finish: Callable[[RequestState], None] | None = None
+        # Loop time of the next arrival, if the caller knows it (a trace replay
+        # does): lets a multi-step executor run decode steps in one go, exactly.
+        self.next_arrival: Callable[[], float | None] | None = None
         self._max_blocks = manager.capacities.device
 
     # -- the outside -----------------------------------------------------------------
@@ -168,6 +184,9 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if not batch.prefill and not waits and self._can_fast_forward():
+                await self._decode_steps(batch, members)
+                continue
             self.stats.steps += 1
             try:
                 await self.executor.run_step(batch, waits)
@@ -176,6 +195,26 @@ class Engine:
                 continue
             self._advance(members)
         await self.runtime.drain()
+
+    def _can_fast_forward(self) -> bool:
+        """Several decode steps in one go give exactly what one by one would when
+        nothing can change in between: every running request is decoding
+        (none waits for a prefetch) and arrivals are known in advance."""
+        return (self.next_arrival is not None
+                and hasattr(self.executor, "run_decode_steps")
+                and all(st.first_token_s is not None for st in self.running))
+
+    async def _decode_steps(self, batch: StepBatch,
+                            members: list[tuple[RequestState, int]]) -> None:
+        """Run decode steps up to the next finish or arrival, whichever is first."""
+        max_steps = min(max(1, st.req.output_len) - st.generated for st, _ in members)
+        until = self.next_arrival() if self.next_arrival is not None else None
+        ran = await self.executor.run_decode_steps(  # type: ignore[attr-defined]
+            batch.decode, max_steps, until)
+        self.stats.steps += ran
+        for st, _ in members:
+            st.generated += ran - 1
+        self._advance(members)
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self) -> None:

@@ -42,3 +42,22 @@ class SimExecutor:
         if overhead > 0:
             self.busy_s += overhead
             await asyncio.sleep(overhead)
+
+    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
+                               until: float | None) -> int:
+        """Several pure-decode steps as one sleep: the sum of their step times."""
+        loop = asyncio.get_running_loop()
+        budget = None if until is None else until - loop.time()
+        step_time = self.cost.step_time
+        ctx = list(contexts)
+        total = 0.0
+        ran = 0
+        while ran < max_steps:
+            total += step_time((), ctx)
+            ran += 1
+            if budget is not None and total >= budget:
+                break
+            ctx = [c + 1 for c in ctx]
+        self.busy_s += total
+        await asyncio.sleep(total)
+        return ran

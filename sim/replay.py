@@ -256,14 +256,18 @@ async def _replay_full(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     if progress is not None:
         engine.on_finish = lambda st: progress(len(engine.done), total)
     sampler = _Sampler(engine, backend, executor, cfg.sample_interval_s)
+    start = loop.time()
+    arrivals = [start + r.arrival_s for r in setup.requests]
+    cursor = 0  # index of the next request to arrive
+    engine.next_arrival = lambda: arrivals[cursor] if cursor < total else None
     run = loop.create_task(engine.run(), name="engine")
     sample_task = loop.create_task(sampler.run(), name="sampler")
-    start = loop.time()
-    for req in setup.requests:
-        delay = start + req.arrival_s - loop.time()
+    for cursor, req in enumerate(setup.requests):  # cursor is read by next_arrival
+        delay = arrivals[cursor] - loop.time()
         if delay > 0:
             await asyncio.sleep(delay)
         engine.add(req)
+    cursor = total
     engine.close()
     await run
     sample_task.cancel()
@@ -287,11 +291,13 @@ class _Sampler:
         self.util: dict[str, list[float]] = {k: [] for k in self.LINKS}
         self._last_busy = dict.fromkeys(self.LINKS, 0.0)
         self._last_t = engine.loop.time()
+        self.next_sample = self._last_t + interval
 
     async def run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(self.next_sample - self.engine.loop.time())
             self.sample()
+            self.next_sample += self.interval
 
     def sample(self) -> None:
         now = self.engine.loop.time()
