@@ -6,7 +6,8 @@ one block), host->device, device->host and both at once:
   (a) ceiling    one cudaMemcpyAsync of the whole volume, contiguous
   (b) per-block  one cudaMemcpyAsync per scattered block (the common baseline)
   (c) ours       the swap kernel over scattered ids, all layers in one launch,
-                 at 2, 4, 8 and 16 CTAs (and per-layer launches, as the backend runs it)
+                 at 2, 4, 8 and 16 CTAs (and per-layer launches, as the backend runs it);
+                 both ways at once also for every (load CTAs, store CTAs) split
 
 plus the Python host time of one all-layer submission and of one backend
 ``submit`` (per-layer launches, events, host callbacks). GPU time is taken
@@ -128,27 +129,6 @@ def copiers(buf: Buffers, block: int, layers: int, kernels: SwapKernels,
     return h2d, d2h, src, dst
 
 
-#: (load, store) flavours compared: see KVFLOW_LOAD_VARIANT / KVFLOW_STORE_VARIANT.
-VARIANTS = ((0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (0, 2))
-
-
-def bench_variants(buf: Buffers, layers: int, reps: int, rng: np.random.Generator) -> dict:
-    """Ours at 4 and 16 KB, 4 CTAs each way, for each load/store flavour of the kernel."""
-    cp = cupy_module()
-    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
-    out = {}
-    for variant in VARIANTS:
-        kernels = SwapKernels(None, *variant)
-        for kb in (4, 16):
-            h2d, d2h, src, dst = copiers(buf, kb << 10, layers, kernels, rng)
-            p_in, p_out = h2d.prepare(src, dst, s1), d2h.prepare(src, dst, s2)
-            moved = p_in.num_scattered * layers * (kb << 10)
-            t = ours_times(h2d, d2h, p_in, p_out, s1, s2, 4, reps)
-            for d in ("h2d", "d2h", "both"):
-                out[variant, kb, d] = (2 if d == "both" else 1) * moved / t[d]
-    return out
-
-
 def bench_both_ctas(buf: Buffers, layers: int, reps: int, kernels: SwapKernels,
                     rng: np.random.Generator, kb: int = 16) -> dict:
     """Both ways at once for every (load CTAs, store CTAs) pair: how to split the SMs."""
@@ -232,6 +212,7 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
             h2d.launch(p_in, s1, layer, 1)
 
     res["ours_h2d_per_layer"] = moved / gpu_time(per_layer, s1, reps)
+    res["per_layer_ctas"] = h2d.ctas
     s1.synchronize()
     s2.synchronize()
     # spot check: the scattered copy is bit-exact
@@ -335,11 +316,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-memcpy-pieces", type=int, default=2048)
-    ap.add_argument("--variant", default="0,0", help="load,store kernel flavour for the sweep")
-    ap.add_argument("--compare-variants", action="store_true",
-                    help="first compare all load/store flavours at 4 and 16 KB")
-    ap.add_argument("--engine", default="sm", choices=("sm", "bulk"),
-                    help="sm: warps with 16-byte vectors; bulk: Hopper bulk copies (experiment)")
     ap.add_argument("--skip-host", action="store_true", help="skip the host-time section")
     ap.add_argument("--json", help="write all numbers here")
     args = ap.parse_args()
@@ -352,18 +328,7 @@ def main() -> None:
     ceil = ceilings(buf, 3 * args.reps)
     print("ceiling (one contiguous cudaMemcpyAsync, GB/s): "
           + "  ".join(f"{d} {v / 1e9:.1f}" for d, v in ceil.items()))
-    variant = tuple(int(x) for x in args.variant.split(","))
-    if args.compare_variants:
-        var = bench_variants(buf, args.layers, args.reps, rng)
-        print("\nload,store flavours at 4 CTAs each way, GB/s (load 0 cs, 1 cs+L2::128B, "
-              "2 cs+L2::256B, 3 nc+L2::256B; store 0 wb, 1 cs, 2 wt):")
-        for v in VARIANTS:
-            print(f"  {v}: " + "  ".join(f"{kb}KB {d} {var[v, kb, d] / 1e9:5.1f}"
-                                         for kb in (4, 16) for d in ("h2d", "d2h", "both")))
-        variant = max(VARIANTS, key=lambda v: sum(x for k, x in var.items() if k[0] == v))
-        print(f"  -> sweep uses {variant}")
-    kernels = SwapKernels(None, *variant, engine=args.engine)
-    print(f"\nengine {args.engine}, load/store flavour {variant}")
+    kernels = SwapKernels()
     split = bench_both_ctas(buf, args.layers, args.reps, kernels, rng)
     print("\nboth ways at once, 16 KB, GB/s by (load CTAs, store CTAs):")
     for c_in in CTAS:
@@ -383,15 +348,14 @@ def main() -> None:
             memcpy = f"{gb[f'memcpy_{d}']:6.1f}" if f"memcpy_{d}" in gb else "     -"
             print(f"  {d:4s} ceiling {gb[f'ceil_{d}']:6.1f}  per-block {memcpy}  ours {ours}")
         print(f"  both at split {best_split}: {gb['ours_both_split']:6.1f};"
-              f"  h2d per-layer launches @8: {gb['ours_h2d_per_layer']:6.1f}")
+              f"  h2d per-layer launches @{r['per_layer_ctas']}: {gb['ours_h2d_per_layer']:6.1f}")
     ht = {"all_layer_submit_us": float("nan"), "backend_submit_us": float("nan")}
     if not args.skip_host:
         ht = host_times(400)
         print_host_times(ht)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": name, "engine": args.engine, "variant": variant,
-                       "ceiling": ceil,
+            json.dump({"device": name, "ceiling": ceil,
                        "both_split": {f"{a},{b}": v for (a, b), v in split.items()},
                        "sizes": rows, "host": ht}, f, indent=1)
     print_ratios(rows, best_split, ht)

@@ -40,13 +40,9 @@ def gpu_unavailable_reason() -> str | None:
 
 
 @functools.cache
-def load_module(filename: str, device: int, defines: tuple[str, ...] = ()) -> object:
-    """Compile ``filename`` (under ``SOURCE_DIR``) with NVRTC for the given device, once.
-
-    ``defines`` are ``NAME=VALUE`` macros (``-D``), e.g. a kernel variant.
-    """
+def load_module(filename: str, device: int) -> object:
+    """Compile ``filename`` (under ``SOURCE_DIR``) with NVRTC for the given device, once."""
     cp = cupy_module()
     code = (SOURCE_DIR / filename).read_text()
-    options = ("-std=c++17", f"-I{SOURCE_DIR}", *(f"-D{d}" for d in defines))
     with cp.cuda.Device(device):
-        return cp.RawModule(code=code, options=options)
+        return cp.RawModule(code=code, options=("-std=c++17", f"-I{SOURCE_DIR}"))

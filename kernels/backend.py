@@ -137,8 +137,7 @@ class CudaBackend:
     ``load_ctas``/``store_ctas``: CTAs per launch each way (few: compute keeps
     the GPU). ``layers_per_launch`` > 1 trades per-layer granularity for less
     host time: one launch and one host callback per group of layers (each
-    layer still gets its own event, recorded when its group lands). ``engine``
-    picks the copy kernel (see ``SwapKernels``).
+    layer still gets its own event, recorded when its group lands).
     """
 
     def __init__(
@@ -152,7 +151,6 @@ class CudaBackend:
         min_run_bytes: int = DEFAULT_MIN_RUN_BYTES,
         layers_per_launch: int = 1,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
-        engine: str = "sm",
         device: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
@@ -188,7 +186,7 @@ class CudaBackend:
             # they go on side streams that wait on the layer events: copies never stall.
             self._load_notify = cp.cuda.Stream(non_blocking=True)
             self._store_notify = cp.cuda.Stream(non_blocking=True)
-            kernels = SwapKernels(self.device, engine=engine)
+            kernels = SwapKernels(self.device)
             dev_bases = np.array([[a.data.ptr + layer * a.strides[0] for a in self._dev]
                                   for layer in range(L)], dtype=np.int64)
             host_bases = np.array([[m.ptr + layer * h.strides[0]

@@ -26,7 +26,6 @@ import numpy as np
 
 from kernels._cuda import cupy_module, load_module
 from kernels.plan import (
-    CHUNK_BYTES,
     min_run_blocks_for,
     pointer_table,
     role_table,
@@ -37,17 +36,12 @@ from kernels.staging import SlabAllocator, Slice
 
 #: Threads per CTA of the swap kernel (its ``__launch_bounds__``).
 THREADS = 1024
-#: Shared-memory slots (= threads) per CTA of the bulk-copy kernel (<= 64, its bounds).
-BULK_SLOTS = 48
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
-DEFAULT_CTAS = 8
+DEFAULT_CTAS = 4
 #: The backend's defaults each way (H100 sweep: 4 CTAs saturate host -> device and
 #: 2 device -> host; 4 + 2 was the best split with both ways at once).
 DEFAULT_LOAD_CTAS = 4
 DEFAULT_STORE_CTAS = 2
-#: Default load / store flavours (``KVFLOW_LOAD_VARIANT`` / ``KVFLOW_STORE_VARIANT``).
-DEFAULT_LOAD_VARIANT = 0
-DEFAULT_STORE_VARIANT = 0
 #: Default run size (bytes per layer, all roles) from which a run goes to the copy engine.
 #: A memcpy costs microseconds of setup, so only long runs win there.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
@@ -63,36 +57,17 @@ _PACK8 = struct.Struct("<8q")
 class SwapKernels:
     """The compiled swap kernel on one device, with a lean launch path.
 
-    CuPy's generic kernel call converts every argument on every launch; the
-    backend launches once per layer per op, so this packs the eight 64-bit
-    arguments into one reused buffer and calls ``cuLaunchKernel`` directly
-    (the driver copies the arguments at launch, so the buffer is free again
-    at once).
-
-    ``engine``: ``"sm"`` (``swap.cu``: warps copy with 16-byte vectors) or
-    ``"bulk"`` (``swap_bulk.cu``, experimental: Hopper bulk copies through
-    shared memory, one slot per thread).
+    CuPy's generic kernel call converts every argument on every launch (10 us
+    measured against 6 us here); the backend launches once per layer per op,
+    so this packs the eight 64-bit arguments into one reused buffer and calls
+    ``cuLaunchKernel`` directly (the driver copies the arguments at launch, so
+    the buffer is free again at once).
     """
 
-    def __init__(self, device: int | None = None, load_variant: int = DEFAULT_LOAD_VARIANT,
-                 store_variant: int = DEFAULT_STORE_VARIANT, engine: str = "sm") -> None:
+    def __init__(self, device: int | None = None) -> None:
         cp = cupy_module()
         self.device = cp.cuda.runtime.getDevice() if device is None else device
-        self.variant = (load_variant, store_variant)
-        self.engine = engine
-        defines = (f"KVFLOW_LOAD_VARIANT={load_variant}", f"KVFLOW_STORE_VARIANT={store_variant}")
-        if engine == "sm":
-            module = load_module("swap.cu", self.device, defines)
-            self._fn = module.get_function("kvflow_swap_blocks")
-            self.threads, self.shared, self._units_per_cta = THREADS, 0, THREADS // 32
-        elif engine == "bulk":
-            module = load_module("swap_bulk.cu", self.device, defines)
-            self._fn = module.get_function("kvflow_swap_blocks_bulk")
-            self.threads, self._units_per_cta = BULK_SLOTS, BULK_SLOTS
-            self.shared = BULK_SLOTS * CHUNK_BYTES
-            self._fn.max_dynamic_shared_size_bytes = self.shared
-        else:
-            raise ValueError(f"engine must be 'sm' or 'bulk', got {engine!r}")
+        self._fn = load_module("swap.cu", self.device).get_function("kvflow_swap_blocks")
         self._params = ctypes.create_string_buffer(64)
         base = ctypes.addressof(self._params)
         self._argv = (ctypes.c_void_p * 8)(*(base + 8 * i for i in range(8)))
@@ -105,17 +80,16 @@ class SwapKernels:
     def launch(self, stream_ptr: int, ctas: int, args: tuple[int, ...]) -> None:
         """Enqueue one launch. ``args``: table, roles, num_roles, chunks_per_block,
         layer_begin, num_layers, ids, num_blocks (raw addresses and counts)."""
-        units = args[7] * args[3] * args[5]
+        units = args[7] * args[3] * args[5]  # one warp per unit
         if units <= 0:
             return
-        grid = min(ctas, -(-units // self._units_per_cta))
+        grid = min(ctas, -(-units // (THREADS // 32)))
         if self._raw is None:  # pragma: no cover - CuPy without the driver binding
-            self._fn((grid,), (self.threads,), args, shared_mem=self.shared,
-                     stream=_StreamPtr(stream_ptr))
+            self._fn((grid,), (THREADS,), args, stream=_StreamPtr(stream_ptr))
             return
         _PACK8.pack_into(self._params, 0, *args)
         raw, fptr = self._raw
-        raw(fptr, grid, 1, 1, self.threads, 1, 1, self.shared, stream_ptr, self._argv_ptr, 0)
+        raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
 
 class _StreamPtr:
