@@ -14,7 +14,14 @@ from collections.abc import Hashable, Sequence
 import pytest
 
 from kvflow.errors import ConfigError, TransferError
-from kvflow.stores import AsyncStore, BlockStore, MemoryStore, Namespace, StoreClosedError
+from kvflow.stores import (
+    AsyncStore,
+    BlockStore,
+    MemoryStore,
+    Namespace,
+    StoreClosedError,
+    StoreDeadlineError,
+)
 
 NS = Namespace("test-model", "raw")
 
@@ -217,3 +224,39 @@ def test_bad_arguments_are_clear_errors():
         AsyncStore(MemoryStore(NS), max_workers=0)
     with pytest.raises(ConfigError, match="timeout_s"):
         AsyncStore(MemoryStore(NS), timeout_s=0)
+
+
+@pytest.mark.asyncio
+async def test_late_read_into_buffers_is_fenced_by_settled():
+    slow = SlowStore(MemoryStore(NS), delay_s=0.2)
+    slow.inner.put(1, b"L" * 64)
+    buf = bytearray(64)
+    async with AsyncStore(slow, max_workers=2) as a:
+        with pytest.raises(StoreDeadlineError) as info:
+            await a.get_many_into([1], [buf], timeout_s=0.05)
+        err = info.value
+        assert isinstance(err, TransferError)
+        assert not err.settled.done() and a.in_flight == 1
+        # the abandoned call still owns the buffer: it writes into it late
+        await err.settled
+        assert bytes(buf) == b"L" * 64  # exactly why a caller must wait for ``settled``
+        assert a.in_flight == 0
+        # drain() waits for every abandoned call
+        with pytest.raises(StoreDeadlineError):
+            await a.get_many([1], timeout_s=0.01)
+        assert a.in_flight == 1
+        await a.drain()
+        assert a.in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_queued_call_dropped_at_deadline_settles_at_once():
+    slow = SlowStore(MemoryStore(NS), delay_s=0.3)
+    async with AsyncStore(slow, max_workers=1) as a:
+        busy = asyncio.ensure_future(a.get_many([1]))
+        await asyncio.sleep(0.01)
+        with pytest.raises(StoreDeadlineError) as info:
+            await a.get_many([2], timeout_s=0.02)
+        await asyncio.wait_for(info.value.settled, 0.1)  # never ran: nothing to wait for
+        slow.release.set()
+        await busy

@@ -201,3 +201,11 @@ def test_redis_store_without_redis_package_says_which_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "redis", None)  # import redis -> ImportError
     with pytest.raises(MissingDependencyError, match=r"kvflow\[redis\]"):
         RedisStore(NS, "redis://127.0.0.1:1/0")
+
+
+def test_default_get_many_into_copies_into_buffers():
+    s = MemoryStore(NS)
+    s.put_many([(1, b"abc"), (2, b"defg")])
+    bufs = [bytearray(3), bytearray(3), bytearray(3)]
+    assert s.get_many_into([1, 2, 3], bufs) == [True, False, False]  # 2: wrong size
+    assert bufs[0] == b"abc"

@@ -8,6 +8,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -435,3 +436,41 @@ def test_property_local_store_matches_lru_dict_model(ops, cap_blocks):
                 assert s.stats.corrupt == corrupt
         finally:
             s.close()
+
+
+# ------------------------------------------------------------------- reads into buffers
+
+
+def test_get_many_into_reads_into_caller_buffers(tmp_path):
+    spec = preset("llama-3-8b", num_layers=1)
+    ns = Namespace.for_model(spec)
+    n = spec.bytes_per_block
+    blocks = {k: os.urandom(n) for k in (1, -2)}
+    with LocalDirStore(tmp_path, ns) as s:
+        s.put_many(list(blocks.items()))
+        host = np.zeros((3, n), dtype=np.uint8)  # like rows of a pinned host pool
+        assert s.get_many_into([1, -2, 3], list(host)) == [True, True, False]
+        assert host[0].tobytes() == blocks[1] and host[1].tobytes() == blocks[-2]
+        assert not host[2].any()
+        assert s.stats.hits == 2 and s.stats.misses == 1 and s.stats.bytes_read == 2 * n
+        # corruption: False, counted, file gone
+        p = s.path_for(1)
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 1
+        p.write_bytes(bytes(data))
+        assert s.get_many_into([1], [bytearray(n)]) == [False]
+        assert s.stats.corrupt == 1 and not p.exists()
+        with pytest.raises(ValueError, match="block"):
+            s.get_many_into([1], [bytearray(n - 1)])
+        with pytest.raises(TypeError, match="read-only"):
+            s.get_many_into([1], [bytes(n)])
+        with pytest.raises(ValueError, match="2 keys but 1 buffers"):
+            s.get_many_into([1, 2], [bytearray(n)])
+
+
+def test_get_many_into_size_mismatch_is_a_plain_miss(store):
+    store.put(1, b"12345")
+    assert store.get_many_into([1], [bytearray(4)]) == [False]
+    assert store.stats.corrupt == 0 and store.contains(1)  # not corrupt: kept
+    buf = bytearray(5)
+    assert store.get_many_into([1], [buf]) == [True] and buf == b"12345"

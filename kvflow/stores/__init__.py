@@ -9,7 +9,7 @@ awaitables with deadlines. See ``README.md`` in this directory for the format.
 ``redis`` is an optional extra: ``RedisStore`` imports it when constructed.
 """
 
-from kvflow.stores.aio import AsyncStats, AsyncStore
+from kvflow.stores.aio import AsyncStats, AsyncStore, StoreDeadlineError
 from kvflow.stores.base import (
     FORMAT_VERSION,
     MAGIC,
@@ -41,6 +41,7 @@ __all__ = [
     "Namespace",
     "RedisStore",
     "StoreClosedError",
+    "StoreDeadlineError",
     "StoreStats",
     "decode_blob",
     "encode_blob",

@@ -7,13 +7,16 @@ on the loop when each finishes (``await astore.get_many(keys)``). The pool is
 bounded on purpose: a slow store queues calls instead of spawning threads.
 
 A call can carry a deadline (``timeout_s``, per call or a default for all).
-When it passes, the awaiting caller gets :class:`kvflow.errors.TransferError`
-— the same error as any failed load, so the caller's answer is the same:
-recompute. The late result is discarded; a call still queued is dropped
-without running; a put already running may still land (harmless: it is a
-cache). A store that raises (stores are meant not to, but a fault-injecting
-wrapper does) also becomes a ``TransferError``. Either way the pool stays
-usable for the next call.
+When it passes, the awaiting caller gets :class:`StoreDeadlineError`, a
+:class:`kvflow.errors.TransferError` — the same error as any failed load, so
+the caller's answer is the same: recompute. The late result is discarded; a
+call still queued is dropped without running; a put already running may still
+land (harmless: it is a cache). Because a running call cannot be interrupted,
+the error carries ``settled``, done once the worker has let go of the call's
+arguments: a caller whose buffers a late call may still touch (pinned host
+blocks) frees them only after it. A store that raises (stores are meant not
+to, but a fault-injecting wrapper does) also becomes a ``TransferError``.
+Either way the pool stays usable for the next call.
 
 In the simulated world the same operations go over the storage link model of
 ``sim`` instead (virtual time has no threads).
@@ -32,6 +35,21 @@ from kvflow.errors import ConfigError, TransferError
 from kvflow.stores.base import BlockStore, StoreClosedError
 
 T = TypeVar("T")
+
+
+class StoreDeadlineError(TransferError):
+    """A store call missed its deadline; the caller should recompute.
+
+    ``settled`` is an asyncio future done once the abandoned call has really
+    ended (at once if it was still queued and got dropped). Until then its
+    worker may still read the call's arguments or write into its buffers: a
+    caller that lent buffers (``get_many_into``, host blocks being written
+    out) must not reuse them before ``await err.settled``.
+    """
+
+    def __init__(self, message: str, settled: asyncio.Future[None]) -> None:
+        super().__init__(message)
+        self.settled = settled
 
 
 @dataclass
@@ -67,6 +85,7 @@ class AsyncStore:
             max_workers, thread_name_prefix="kvflow-store"
         )
         self._closed = False
+        self._inflight: set[asyncio.Future[None]] = set()
 
     async def _run(
         self, what: str, fn: Callable[..., T], *args: Any, timeout_s: float | None
@@ -76,8 +95,12 @@ class AsyncStore:
         deadline = self.timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         result: asyncio.Future[T] = loop.create_future()
+        settled: asyncio.Future[None] = loop.create_future()  # the worker is done with args
 
         def deliver(cf: concurrent.futures.Future[T]) -> None:  # on the loop thread
+            self._inflight.discard(settled)
+            if not settled.done():
+                settled.set_result(None)
             if result.done():
                 return  # the caller gave up (deadline, cancellation): discard
             if cf.cancelled():
@@ -94,6 +117,7 @@ class AsyncStore:
 
         self.stats.calls += 1
         cf = self._pool.submit(fn, *args)
+        self._inflight.add(settled)
         cf.add_done_callback(on_done)
         try:
             if deadline is None:
@@ -101,8 +125,8 @@ class AsyncStore:
             return await asyncio.wait_for(result, deadline)
         except asyncio.TimeoutError:
             self.stats.timeouts += 1
-            raise TransferError(
-                f"{what} on {self.store!r} missed its deadline of {deadline:g} s"
+            raise StoreDeadlineError(
+                f"{what} on {self.store!r} missed its deadline of {deadline:g} s", settled
             ) from None
         except (TransferError, StoreClosedError, asyncio.CancelledError):
             raise
@@ -113,6 +137,16 @@ class AsyncStore:
             if not cf.done():
                 cf.cancel()  # still queued: do not run it at all
 
+    @property
+    def in_flight(self) -> int:
+        """Calls submitted whose worker has not finished (including abandoned late ones)."""
+        return len(self._inflight)
+
+    async def drain(self) -> None:
+        """Wait until no worker is running or holding a call's arguments (buffers included)."""
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight), return_exceptions=True)
+
     async def get_many(
         self, keys: Sequence[Hashable], timeout_s: float | None = None
     ) -> list[bytes | None]:
@@ -120,6 +154,21 @@ class AsyncStore:
         return await self._run(
             f"get_many of {len(keys)} blocks", self.store.get_many, list(keys),
             timeout_s=timeout_s,
+        )
+
+    async def get_many_into(
+        self, keys: Sequence[Hashable], buffers: Sequence[object], timeout_s: float | None = None
+    ) -> list[bool]:
+        """``store.get_many_into(keys, buffers)`` off the loop.
+
+        Past the deadline the caller gets :class:`StoreDeadlineError` while the
+        late call may still be writing into ``buffers``: do not hand them to
+        other data before the error's ``settled`` future is done (or
+        :meth:`drain`), or a late read would overwrite it.
+        """
+        return await self._run(
+            f"get_many_into of {len(keys)} blocks", self.store.get_many_into, list(keys),
+            list(buffers), timeout_s=timeout_s,
         )
 
     async def put_many(

@@ -192,6 +192,68 @@ def encode_blob(layout: str, encoded_key: str, payload: bytes | memoryview) -> b
     return encode_header(layout, encoded_key, payload) + payload
 
 
+def parse_header(head: bytes | memoryview) -> tuple[int, int, int] | None:
+    """``(signature length, key length, payload length)`` of a blob's fixed header.
+
+    ``None`` if ``head`` is shorter than a header or has the wrong magic or
+    version. Lets a reader size its reads before it has the whole blob.
+    """
+    if len(head) < HEADER_SIZE:
+        return None
+    magic, version, _flags, sig_len, key_len, payload_len = _PREFIX.unpack_from(head, 0)
+    if magic != MAGIC or version != FORMAT_VERSION:
+        return None
+    return sig_len, key_len, payload_len
+
+
+def verify_parts(
+    head: bytes | memoryview,
+    var: bytes | memoryview,
+    payload: bytes | memoryview,
+    layout: str,
+    encoded_key: str,
+    block_bytes: int | None = None,
+) -> bool:
+    """Whether a blob read in pieces (fixed header, signature + key, payload) is whole
+    and is ``encoded_key``'s block of ``layout``."""
+    parsed = parse_header(head)
+    if parsed is None or len(head) != HEADER_SIZE:
+        return False
+    sig_len, key_len, payload_len = parsed
+    if len(var) != sig_len + key_len or len(payload) != payload_len:
+        return False
+    if block_bytes is not None and payload_len != block_bytes:
+        return False
+    var = memoryview(var)
+    if var[:sig_len] != layout.encode() or var[sig_len:] != encoded_key.encode("ascii"):
+        return False
+    (checksum,) = _CHECKSUM.unpack_from(head, _PREFIX.size)
+    h = xxhash.xxh3_64()
+    h.update(memoryview(head)[:_PREFIX.size])
+    h.update(var)
+    h.update(payload)
+    return h.intdigest() == checksum
+
+
+def payload_view(
+    blob: bytes | memoryview, layout: str, encoded_key: str, block_bytes: int | None = None
+) -> memoryview | None:
+    """A view of ``blob``'s payload if the blob is whole and is ``encoded_key``'s block of
+    ``layout``; ``None`` for anything else (see :func:`decode_blob`). No copy."""
+    mv = memoryview(blob)
+    parsed = parse_header(mv)
+    if parsed is None:
+        return None
+    sig_len, key_len, payload_len = parsed
+    start = HEADER_SIZE + sig_len + key_len
+    if len(mv) != start + payload_len:
+        return None
+    if not verify_parts(mv[:HEADER_SIZE], mv[HEADER_SIZE:start], mv[start:], layout,
+                        encoded_key, block_bytes):
+        return None
+    return mv[start:]
+
+
 def decode_blob(
     blob: bytes | memoryview, layout: str, encoded_key: str, block_bytes: int | None = None
 ) -> bytes | None:
@@ -200,28 +262,8 @@ def decode_blob(
     ``None`` for anything else: truncated, wrong magic or version, another
     layout or key, a payload of the wrong size, a checksum mismatch.
     """
-    mv = memoryview(blob)
-    if len(mv) < HEADER_SIZE:
-        return None
-    magic, version, _flags, sig_len, key_len, payload_len = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return None
-    start = HEADER_SIZE + sig_len + key_len
-    if len(mv) != start + payload_len:
-        return None
-    if block_bytes is not None and payload_len != block_bytes:
-        return None
-    sig = mv[HEADER_SIZE:HEADER_SIZE + sig_len]
-    key = mv[HEADER_SIZE + sig_len:start]
-    if sig != layout.encode() or key != encoded_key.encode("ascii"):
-        return None
-    (checksum,) = _CHECKSUM.unpack_from(mv, _PREFIX.size)
-    h = xxhash.xxh3_64()
-    h.update(mv[:_PREFIX.size])
-    h.update(mv[HEADER_SIZE:])
-    if h.intdigest() != checksum:
-        return None
-    return bytes(mv[start:])
+    view = payload_view(blob, layout, encoded_key, block_bytes)
+    return None if view is None else bytes(view)
 
 
 # ------------------------------------------------------------------------------ stats
@@ -297,6 +339,28 @@ class BlockStore(abc.ABC):
     def delete(self, key: Hashable) -> bool:
         """Remove a key; ``True`` if it was there. Never raises for store trouble."""
 
+    def get_many_into(self, keys: Sequence[Hashable], buffers: Sequence[object]) -> list[bool]:
+        """Read each key's payload into ``buffers[i]``; ``False`` for a miss.
+
+        For the real world, where a block's destination is already allocated
+        (a pinned host block): a store that can (``LocalDirStore``) reads into
+        it directly, skipping an allocation and a copy of every block. Each
+        buffer must be writable and C-contiguous; with a namespace block size it
+        must have exactly that many bytes. A payload of another size than its
+        buffer is a miss. Where the answer is ``False`` the buffer's contents are
+        unspecified (possibly partly overwritten): like a failed transfer, its
+        destination holds no valid data.
+        """
+        views = self._check_buffers(keys, buffers)
+        out = []
+        for payload, view in zip(self.get_many(keys), views, strict=True):
+            if payload is None or len(payload) != view.nbytes:
+                out.append(False)
+            else:
+                view[:] = payload
+                out.append(True)
+        return out
+
     def close(self) -> None:
         """Release files, locks and connections; the store cannot be used afterwards."""
         self._closed = True
@@ -356,6 +420,27 @@ class BlockStore(abc.ABC):
                 f"namespace {self.namespace.name!r} holds blocks of {want} bytes"
             )
         return mv
+
+    def _check_buffers(
+        self, keys: Sequence[Hashable], buffers: Sequence[object]
+    ) -> list[memoryview]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        views = []
+        for k, b in zip(keys, buffers, strict=True):
+            mv = memoryview(b)  # type: ignore[arg-type]
+            if mv.readonly:
+                raise TypeError(f"buffer for key {k!r} is read-only")
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
+            want = self.namespace.block_bytes
+            if want is not None and mv.nbytes != want:
+                raise BlockSizeError(
+                    f"buffer for key {k!r} has {mv.nbytes} bytes; "
+                    f"namespace {self.namespace.name!r} holds blocks of {want} bytes"
+                )
+            views.append(mv)
+        return views
 
     def _decode(self, blob: bytes | memoryview, encoded_key: str) -> bytes | None:
         return decode_blob(blob, self.namespace.layout, encoded_key, self.namespace.block_bytes)

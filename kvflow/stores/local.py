@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import itertools
 import os
 import threading
@@ -55,12 +56,15 @@ import xxhash
 
 from kvflow.errors import ConfigError
 from kvflow.stores.base import (
+    HEADER_SIZE,
     BlockStore,
     Namespace,
     StoreStats,
     encode_header,
     encode_key,
+    parse_header,
     storage_name,
+    verify_parts,
 )
 
 try:  # POSIX only; elsewhere the directory is simply not locked
@@ -84,6 +88,19 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         if n <= 0:  # a zero-byte write would loop forever; treat it as the error it is
             raise OSError(errno.EIO, "write returned 0 bytes")
         view = view[n:]
+
+
+def _read_exact(f: io.FileIO, n: int) -> bytes:
+    """``n`` bytes (fewer only at end of file); one read call in the usual case."""
+    data = f.read(n) or b""
+    if len(data) < n:  # a short read (signal, odd filesystem): keep going to EOF
+        parts = [data]
+        got = len(data)
+        while got < n and (more := f.read(n - got)):
+            parts.append(more)
+            got += len(more)
+        data = b"".join(parts)
+    return data
 
 
 class LocalDirStore(BlockStore):
@@ -242,12 +259,49 @@ class LocalDirStore(BlockStore):
             if size is not None:
                 self._used -= size
 
-    def get_many(self, keys: Sequence[Hashable]) -> list[bytes | None]:
+    def _read_blob(self, path: Path, enc: str, into: memoryview | None) -> bytes | bool | None:
+        """Read and verify the blob in ``path``. Raises OSError.
+
+        Without ``into``: the payload, read straight into its own bytes object
+        after the header (no second copy of the block), or ``None`` if the blob
+        is bad. With ``into``: ``True`` once the payload is in ``into`` and
+        verified, ``None`` if the blob is bad, ``False`` if the payload does
+        not have ``into``'s size (a miss, not corruption).
+        """
+        ns = self.namespace
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(HEADER_SIZE) or b""
+            parsed = parse_header(head)
+            if parsed is None:
+                return None
+            sig_len, key_len, payload_len = parsed
+            if size != HEADER_SIZE + sig_len + key_len + payload_len:
+                return None
+            if ns.block_bytes is not None and payload_len != ns.block_bytes:
+                return None
+            var = _read_exact(f, sig_len + key_len)
+            if into is None:
+                payload: bytes | memoryview = _read_exact(f, payload_len)
+            else:
+                if payload_len != into.nbytes:
+                    return False
+                got = 0
+                while got < payload_len and (n := f.readinto(into[got:])):
+                    got += n
+                payload = into[:got]
+        if not verify_parts(head, var, payload, ns.layout, enc, ns.block_bytes):
+            return None
+        return True if into is not None else payload
+
+    def _get(
+        self, keys: Sequence[Hashable], into: Sequence[memoryview] | None
+    ) -> list[bytes | bool | None]:
         self._check_open()
         encoded = [encode_key(k) for k in keys]
-        out: list[bytes | None] = []
+        out: list[bytes | bool | None] = []
         delta = StoreStats()
-        for enc in encoded:
+        for i, enc in enumerate(encoded):
             name = storage_name(enc)
             with self._lock:
                 present = name in self._index
@@ -257,8 +311,7 @@ class LocalDirStore(BlockStore):
                 continue
             path = self._file(name)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    blob = f.readall()
+                got = self._read_blob(path, enc, None if into is None else into[i])
             except FileNotFoundError:  # removed behind our back: just a miss
                 self._forget(name)
                 delta.misses += 1
@@ -270,8 +323,7 @@ class LocalDirStore(BlockStore):
                 delta.misses += 1
                 out.append(None)
                 continue
-            payload = self._decode(blob, enc)
-            if payload is None:
+            if got is None:
                 self._forget(name)
                 with contextlib.suppress(OSError):
                     os.unlink(path)
@@ -279,9 +331,13 @@ class LocalDirStore(BlockStore):
                 delta.misses += 1
                 out.append(None)
                 continue
+            if got is False:
+                delta.misses += 1
+                out.append(None)
+                continue
             delta.hits += 1
-            delta.bytes_read += len(payload)
-            out.append(payload)
+            delta.bytes_read += into[i].nbytes if into is not None else len(got)
+            out.append(got)
             with self._lock:
                 if name in self._index:
                     self._index.move_to_end(name)
@@ -291,6 +347,14 @@ class LocalDirStore(BlockStore):
                     os.utime(path, ns=(t, t))
         self._count(delta)
         return out
+
+    def get_many(self, keys: Sequence[Hashable]) -> list[bytes | None]:
+        return self._get(keys, None)  # type: ignore[return-value]
+
+    def get_many_into(self, keys: Sequence[Hashable], buffers: Sequence[object]) -> list[bool]:
+        """Read each payload straight into its buffer with ``readinto`` (no allocation)."""
+        views = self._check_buffers(keys, buffers)
+        return [r is True for r in self._get(keys, views)]
 
     # ------------------------------------------------------------------------- put
 
