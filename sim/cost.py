@@ -1,0 +1,292 @@
+"""GPU profiles and the compute cost model of the simulated world.
+
+A ``GpuProfile`` holds what the simulator needs to know about one GPU and its
+node: compute peak and the fraction of it a serving engine reaches (MFU), HBM
+bandwidth, memory, the four links of the hierarchy (``sim.hierarchy.Link``)
+and a fixed per-step overhead. Presets come from datasheets (sources cited at
+each number); ``load_profile`` reads a TOML file whose keys override a preset,
+which is how a profile measured on a real GPU (``kvflow calibrate``) feeds the
+simulator.
+
+``CostModel`` turns a batch into time with a per-layer roofline: a layer takes
+``max(FLOPs / (peak * mfu), bytes / (hbm * mbu))``. FLOPs are the weight
+matmuls (``2 * active_params / num_layers`` per token) plus attention
+(``4 * heads * head_dim`` per (query, key) pair: QK^T and PV, 2 FLOPs per
+multiply-add); bytes are the layer's bf16 weights, read once per step, plus
+the KV the batch reads (and, for prefill, writes). It ignores activations and
+the MoE effect that a large batch touches more than the active experts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from kvflow.errors import ConfigError
+from kvflow.layout import ModelSpec
+from sim.hierarchy import LINKS, Link
+
+__all__ = ["PROFILES", "WEIGHT_BYTES", "CostModel", "GpuProfile", "load_profile"]
+
+#: Bytes per weight: the cost model assumes bf16 weights.
+WEIGHT_BYTES = 2
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """One GPU and its node, as the simulator sees them.
+
+    ``peak_bf16_flops`` is the dense (no sparsity) bf16 tensor peak; ``mfu``
+    the fraction of it reached; ``hbm_bytes_per_s`` the datasheet HBM
+    bandwidth and ``mbu`` the fraction of it reached (1.0 in the presets: the
+    plain datasheet roofline; calibration lowers it). ``step_overhead_s`` is
+    host-side time per engine step (scheduling, sampling, launches) that does
+    not overlap the GPU work.
+    """
+
+    name: str
+    peak_bf16_flops: float
+    mfu: float
+    hbm_bytes_per_s: float
+    memory_bytes: float
+    h2d: Link
+    d2h: Link
+    storage_read: Link
+    storage_write: Link
+    step_overhead_s: float
+    mbu: float = 1.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            problem = _problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ConfigError(f"GpuProfile.{f.name} {problem}")
+
+
+def _problem(key: str, value: Any) -> str | None:
+    """Why ``value`` is no good for profile field ``key`` (None if it is fine)."""
+    if key == "name":
+        if isinstance(value, str) and value:
+            return None
+        return f"must be a non-empty string, got {value!r}"
+    if key in LINKS:
+        return None if isinstance(value, Link) else f"must be a Link, got {value!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if key in ("mfu", "mbu"):
+        return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
+    if key == "step_overhead_s":
+        return None if value >= 0 else f"must be >= 0, got {value!r}"
+    return None if value > 0 else f"must be > 0, got {value!r}"
+
+
+# Per-op latency of a PCIe copy: DESIGN.md measured one cudaMemcpyAsync per
+# 16 KiB block at 4.8 GB/s on an H100, i.e. 16384 B / 4.8e9 B/s = 3.4 us per
+# copy, of which 16384 / 55e9 = 0.3 us is wire time: ~3 us of per-copy cost.
+_PCIE_LATENCY_S = 3e-6
+
+# Local NVMe, PCIe Gen4 x4 datacenter drive. Sequential ceilings of current
+# drives are ~6.5-7.4 GB/s read and ~3-4 GB/s write (e.g. Solidigm D5-P5336:
+# 7400 MB/s read, 3200 MB/s write; D7-P5810: 6400 / 4000 MB/s, vendor
+# figures); we take a conservative 6 GB/s read and 3 GB/s sustained write.
+# TLC NAND reads take ~50-100 us at queue depth 1; 100 us, overlapped across
+# queued requests (deep NVMe queues), see sim.hierarchy.
+_NVME_READ = Link(6e9, 100e-6, overlap_latency=True)
+_NVME_WRITE = Link(3e9, 100e-6, overlap_latency=True)
+
+# Host-side time per engine step: an assumption of the order a CUDA-graph
+# serving engine spends on scheduling, sampling and launches; calibrate it.
+_STEP_OVERHEAD_S = 0.5e-3
+
+#: Preset profiles by name.
+PROFILES: dict[str, GpuProfile] = {
+    # NVIDIA H100 SXM5 80GB datasheet: BF16 tensor 1,979 TFLOPS *with sparsity*,
+    # i.e. 989.4 TFLOP/s dense; HBM3 3.35 TB/s; 80 GB. PCIe Gen5 x16: DESIGN.md's
+    # measured contiguous pinned copy ceiling, 55 GB/s each way.
+    "h100": GpuProfile(
+        name="h100", peak_bf16_flops=989.4e12, mfu=0.5, hbm_bytes_per_s=3.35e12,
+        memory_bytes=80e9, h2d=Link(55e9, _PCIE_LATENCY_S), d2h=Link(55e9, _PCIE_LATENCY_S),
+        storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S),
+    # NVIDIA H200 SXM 141GB datasheet: same compute as H100 (989.4 TFLOP/s dense
+    # BF16), HBM3e 4.8 TB/s, 141 GB; same PCIe Gen5 x16 host link.
+    "h200": GpuProfile(
+        name="h200", peak_bf16_flops=989.4e12, mfu=0.5, hbm_bytes_per_s=4.8e12,
+        memory_bytes=141e9, h2d=Link(55e9, _PCIE_LATENCY_S), d2h=Link(55e9, _PCIE_LATENCY_S),
+        storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S),
+    # NVIDIA A100 SXM4 80GB datasheet: BF16 tensor 312 TFLOP/s dense, HBM2e
+    # 2,039 GB/s, 80 GB. PCIe Gen4 x16 (32 GB/s raw per direction): pinned
+    # copies reach ~25 GB/s each way in cuda-samples' bandwidthTest.
+    "a100": GpuProfile(
+        name="a100", peak_bf16_flops=312e12, mfu=0.5, hbm_bytes_per_s=2.039e12,
+        memory_bytes=80e9, h2d=Link(25e9, _PCIE_LATENCY_S), d2h=Link(25e9, _PCIE_LATENCY_S),
+        storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S),
+}
+
+_LINK_KEYS = {f.name for f in fields(Link)}
+
+
+def load_profile(name_or_path: str | os.PathLike[str]) -> GpuProfile:
+    """A preset by name (``h100``, ``h200``, ``a100``) or a profile TOML file.
+
+    The file's top-level keys override those of ``base`` (a preset name,
+    default ``h100``); a link is a table whose keys override the base's link::
+
+        base = "h100"
+        name = "h100-measured"     # default: the file's stem
+        mfu = 0.42
+        [h2d]
+        bandwidth_Bps = 52.1e9
+        latency_s = 4e-6
+
+    Unknown keys, bad values and unreadable files raise ``ConfigError``
+    naming the file and the key.
+    """
+    key = os.fspath(name_or_path)
+    if key in PROFILES:
+        return PROFILES[key]
+    if not os.path.isfile(key):
+        raise ConfigError(
+            f"unknown GPU profile {key!r}: not a preset ({', '.join(sorted(PROFILES))}) "
+            "and no such file"
+        )
+    return _profile_from_toml(key)
+
+
+def _toml_load(path: str) -> dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ConfigError(
+                f"{path}: reading TOML on Python 3.10 needs the 'tomli' package"
+            ) from None
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _profile_from_toml(path: str) -> GpuProfile:
+    data = _toml_load(path)
+    base_name = data.pop("base", "h100")
+    if base_name not in PROFILES:
+        raise ConfigError(
+            f"{path}: key 'base': unknown preset {base_name!r} "
+            f"(presets: {', '.join(sorted(PROFILES))})"
+        )
+    base = PROFILES[base_name]
+    known = [f.name for f in fields(GpuProfile)]
+    changes: dict[str, Any] = {"name": os.path.splitext(os.path.basename(path))[0]}
+    for k, v in data.items():
+        if k not in known:
+            raise ConfigError(
+                f"{path}: unknown key {k!r} (known: base, {', '.join(known)})"
+            )
+        if k in LINKS:
+            changes[k] = _link_from_toml(path, k, v, getattr(base, k))
+            continue
+        if isinstance(v, int) and not isinstance(v, bool):
+            v = float(v) if k != "name" else v
+        problem = _problem(k, v)
+        if problem:
+            raise ConfigError(f"{path}: key {k!r} {problem}")
+        changes[k] = v
+    return replace(base, **changes)
+
+
+def _link_from_toml(path: str, key: str, table: Any, base: Link) -> Link:
+    if not isinstance(table, Mapping):
+        raise ConfigError(
+            f"{path}: key {key!r} must be a table with {', '.join(sorted(_LINK_KEYS))}, "
+            f"got {table!r}"
+        )
+    for k in table:
+        if k not in _LINK_KEYS:
+            raise ConfigError(
+                f"{path}: unknown key '{key}.{k}' (known: {', '.join(sorted(_LINK_KEYS))})"
+            )
+    try:
+        return replace(base, **table)
+    except ConfigError as exc:
+        field = next((k for k in table if f"Link.{k} " in str(exc)), "?")
+        detail = str(exc).split(" ", 1)[1]
+        raise ConfigError(f"{path}: key '{key}.{field}' {detail}") from None
+
+
+class CostModel:
+    """Per-layer and per-step time of a batch on one GPU (a roofline).
+
+    ``layer_time(prefill, decode_contexts)``: ``prefill`` items are
+    ``(new_tokens, context_tokens_before)``, ``decode_contexts`` the context
+    length of each decoding sequence. Constants are precomputed per
+    (spec, profile) because a replay calls this ~10^5-10^6 times; inputs are
+    not validated on that path.
+    """
+
+    def __init__(self, spec: ModelSpec, profile: GpuProfile) -> None:
+        if spec.active_params <= 0:
+            raise ConfigError(
+                f"model {spec.name!r}: ModelSpec.active_params must be > 0 for the cost model"
+            )
+        self.spec = spec
+        self.profile = profile
+        self.num_layers = spec.num_layers
+        params = spec.active_params / spec.num_layers
+        heads = spec.num_attention_heads or spec.num_kv_heads
+        #: FLOPs per token of the layer's weight matmuls.
+        self.weight_flops_per_token = 2.0 * params
+        #: FLOPs per (query token, context token) pair of attention.
+        self.attention_flops_per_pair = 4.0 * heads * spec.head_dim
+        #: Bytes of the layer's weights, read once per step.
+        self.weight_bytes = params * WEIGHT_BYTES
+        #: KV bytes of one token in one layer (padding included).
+        self.kv_bytes_per_token = spec.bytes_per_layer_block / spec.block_tokens
+        self._sec_per_flop = 1.0 / (profile.peak_bf16_flops * profile.mfu)
+        self._sec_per_byte = 1.0 / (profile.hbm_bytes_per_s * profile.mbu)
+        self._overhead = profile.step_overhead_s
+
+    def layer_time_totals(self, tokens: float, attention_pairs: float, kv_tokens: float) -> float:
+        """Layer time from batch totals (for callers keeping running sums).
+
+        ``tokens``: tokens computed (new prefill tokens + one per decoding
+        sequence); ``attention_pairs``: sum over prefills of ``new * (context
+        + new / 2)`` plus the sum of decode contexts; ``kv_tokens``: KV tokens
+        read or written (prefill ``context + new``, decode ``context``).
+        """
+        if tokens <= 0:
+            return 0.0
+        flops = (self.weight_flops_per_token * tokens
+                 + self.attention_flops_per_pair * attention_pairs)
+        nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_tokens
+        compute = flops * self._sec_per_flop
+        memory = nbytes * self._sec_per_byte
+        return compute if compute > memory else memory
+
+    def layer_time(
+        self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
+    ) -> float:
+        """Time of one layer over the batch: max(FLOPs / (peak*mfu), bytes / (hbm*mbu))."""
+        tokens = len(decode_contexts)
+        pairs = sum(decode_contexts) if tokens else 0
+        kv = pairs
+        for new, ctx in prefill:
+            tokens += new
+            pairs += new * (ctx + new * 0.5)
+            kv += ctx + new
+        return self.layer_time_totals(tokens, pairs, kv)
+
+    def step_time(
+        self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
+    ) -> float:
+        """Time of one engine step: ``num_layers * layer_time + step_overhead_s`` (0 if empty)."""
+        t = self.layer_time(prefill, decode_contexts)
+        return self.num_layers * t + self._overhead if t > 0 else 0.0

@@ -1,0 +1,180 @@
+"""GPU profiles (presets, TOML overrides, errors) and the roofline cost model."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvflow.errors import ConfigError
+from kvflow.layout import ModelSpec, preset
+from sim.cost import PROFILES, CostModel, load_profile
+from sim.hierarchy import Hierarchy, Link
+
+H100 = PROFILES["h100"]
+LLAMA8B = preset("llama-3-8b")  # 32 layers, 32 heads x 128, 8 kv heads, 8.03e9 params
+
+
+# ------------------------------------------------------------- hand-checked
+def test_prefill_llama8b_h100_is_compute_bound() -> None:
+    cm = CostModel(LLAMA8B, H100)
+    # Per layer: 8.03e9 / 32 = 250,937,500 params.
+    #   weights: 2 * 250,937,500 * 1024 tokens        = 513,920,000,000 FLOPs
+    #   attention: 4 * 32 * 128 * 1024 * (0 + 1024/2) =   8,589,934,592 FLOPs
+    #   at 989.4e12 * 0.5 = 494.7e12 FLOP/s -> 522,509,934,592 / 494.7e12 s
+    #   bytes: 501,875,000 (bf16 weights) + 1024 * 4096 (KV) = 506,069,304
+    #   at 3.35e12 B/s -> 1.51e-4 s, so compute wins.
+    expected = 522_509_934_592 / 494.7e12
+    assert expected == pytest.approx(1.056216e-3, rel=1e-6)
+    assert cm.layer_time([(1024, 0)], []) == pytest.approx(expected, rel=1e-12)
+    assert cm.step_time([(1024, 0)], []) == pytest.approx(32 * expected + 0.5e-3, rel=1e-12)
+
+
+def test_decode_llama8b_h100_is_memory_bound() -> None:
+    cm = CostModel(LLAMA8B, H100)
+    ctx = [4096] * 64
+    # FLOPs: 2 * 250,937,500 * 64 + 4 * 32 * 128 * 64 * 4096 = 36,414,967,296 -> 7.36e-5 s
+    # bytes: 501,875,000 + 4096 B/token * 64 * 4096 tokens = 1,575,616,824 -> 4.70e-4 s
+    expected = 1_575_616_824 / 3.35e12
+    assert expected > 36_414_967_296 / 494.7e12  # memory bound
+    assert cm.layer_time([], ctx) == pytest.approx(expected, rel=1e-12)
+    assert cm.step_time([], ctx) == pytest.approx(32 * expected + 0.5e-3, rel=1e-12)
+
+
+def test_mixed_batch_with_cached_prefix() -> None:
+    cm = CostModel(LLAMA8B, H100)
+    # prefill 256 new tokens after 2048 cached + two decodes at 1000 and 3000
+    tokens = 256 + 2
+    pairs = 256 * (2048 + 128) + 1000 + 3000
+    kv = (2048 + 256) + 1000 + 3000
+    flops = 2 * 250_937_500 * tokens + 4 * 32 * 128 * pairs
+    nbytes = 501_875_000 + 4096 * kv
+    expected = max(flops / 494.7e12, nbytes / 3.35e12)
+    assert cm.layer_time([(256, 2048)], [1000, 3000]) == pytest.approx(expected, rel=1e-12)
+    assert cm.layer_time_totals(tokens, pairs, kv) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cached_prefix_makes_prefill_slower_than_without() -> None:
+    cm = CostModel(LLAMA8B, H100)
+    assert cm.layer_time([(512, 8192)], []) > cm.layer_time([(512, 0)], [])
+
+
+def test_empty_batch_costs_nothing() -> None:
+    cm = CostModel(LLAMA8B, H100)
+    assert cm.layer_time([], []) == 0.0 and cm.step_time([], []) == 0.0
+
+
+def test_profiles_scale_as_their_datasheets() -> None:
+    """Memory-bound decode scales with HBM bandwidth; compute-bound prefill with FLOP/s."""
+    dec = [4096] * 64
+    h100, h200, a100 = (CostModel(LLAMA8B, PROFILES[n]) for n in ("h100", "h200", "a100"))
+    assert h100.layer_time([], dec) / h200.layer_time([], dec) == pytest.approx(4.8 / 3.35)
+    assert a100.layer_time([(4096, 0)], []) / h100.layer_time([(4096, 0)], []) == (
+        pytest.approx(989.4 / 312))
+
+
+def test_mla_model_and_mbu() -> None:
+    spec = preset("deepseek-v3")
+    cm = CostModel(spec, H100)
+    # one latent of 512 + 64 bf16 values per token per layer
+    assert cm.kv_bytes_per_token == 576 * 2
+    slow = CostModel(spec, replace(H100, mbu=0.5))
+    assert slow.layer_time([], [8192] * 32) == pytest.approx(2 * cm.layer_time([], [8192] * 32))
+
+
+def test_spec_without_params_is_refused() -> None:
+    spec = ModelSpec("bare", num_layers=2, num_kv_heads=1, head_dim=64)
+    with pytest.raises(ConfigError, match="active_params"):
+        CostModel(spec, H100)
+
+
+# ----------------------------------------------------------------- presets
+def test_preset_numbers() -> None:
+    assert H100.peak_bf16_flops == 989.4e12 and H100.hbm_bytes_per_s == 3.35e12
+    assert H100.h2d == H100.d2h == Link(55e9, 3e-6)
+    h200 = PROFILES["h200"]
+    assert h200.peak_bf16_flops == H100.peak_bf16_flops and h200.hbm_bytes_per_s == 4.8e12
+    assert h200.memory_bytes == 141e9
+    a100 = PROFILES["a100"]
+    assert a100.peak_bf16_flops == 312e12 and a100.hbm_bytes_per_s == 2.039e12
+    assert a100.h2d.bandwidth_Bps == 25e9
+    assert H100.storage_read == Link(6e9, 100e-6, overlap_latency=True)
+    assert H100.storage_write == Link(3e9, 100e-6, overlap_latency=True)
+    assert load_profile("h200") is h200
+
+
+def test_profile_validates_its_fields() -> None:
+    with pytest.raises(ConfigError, match=r"GpuProfile\.mfu"):
+        replace(H100, mfu=0.0)
+    with pytest.raises(ConfigError, match=r"GpuProfile\.h2d"):
+        replace(H100, h2d=55e9)
+
+
+def test_unknown_profile_name() -> None:
+    with pytest.raises(ConfigError, match=r"unknown GPU profile 'b200'.*a100, h100, h200"):
+        load_profile("b200")
+
+
+# -------------------------------------------------------------------- TOML
+def write(tmp_path: Path, text: str, name: str = "mygpu.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_toml_overrides_a_base(tmp_path: Path) -> None:
+    p = write(tmp_path, """
+base = "h200"
+mfu = 0.4
+step_overhead_s = 0
+memory_bytes = 100000000000
+[h2d]
+bandwidth_Bps = 50e9
+[storage_read]
+bandwidth_Bps = 12e9
+latency_s = 20e-6
+""")
+    prof = load_profile(str(p))
+    h200 = PROFILES["h200"]
+    assert prof.name == "mygpu" and prof.mfu == 0.4 and prof.step_overhead_s == 0.0
+    assert prof.memory_bytes == 1e11
+    assert prof.hbm_bytes_per_s == h200.hbm_bytes_per_s
+    assert prof.h2d == Link(50e9, h200.h2d.latency_s)  # latency kept from the base
+    assert prof.d2h == h200.d2h
+    assert prof.storage_read == Link(12e9, 20e-6, overlap_latency=True)
+    assert Hierarchy.default(str(p)).h2d.bandwidth_Bps == 50e9
+    assert load_profile(p) == prof  # a Path works too
+
+
+def test_shipped_example_profile_loads() -> None:
+    path = Path(__file__).resolve().parents[1] / "sim" / "profiles" / "h100-example.toml"
+    prof = load_profile(str(path))
+    assert prof.name == "h100-example"
+    assert {k: v for k, v in prof.__dict__.items() if k != "name"} == (
+        {k: v for k, v in H100.__dict__.items() if k != "name"})
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("mfu = 1.5", r"key 'mfu' must be in \(0, 1\]"),
+    ("mfu = 'high'", "key 'mfu' must be a finite number"),
+    ("peak_bf16_flops = -1.0", "key 'peak_bf16_flops' must be > 0"),
+    ("step_overhead_s = -1e-3", "key 'step_overhead_s' must be >= 0"),
+    ("hbm_bytes_per_s = true", "key 'hbm_bytes_per_s' must be a finite number"),
+    ("hbm_bytes_per_s = inf", "key 'hbm_bytes_per_s' must be a finite number"),
+    ("name = 3", "key 'name' must be a non-empty string"),
+    ("tflops = 3", "unknown key 'tflops'"),
+    ("base = 'b200'", "key 'base': unknown preset 'b200'"),
+    ("[h2d]\nspeed = 1e9", r"unknown key 'h2d\.speed'"),
+    ("[h2d]\nbandwidth_Bps = 0", r"key 'h2d\.bandwidth_Bps' must be a finite number > 0"),
+    ("[d2h]\nlatency_s = -1", r"key 'd2h\.latency_s' must be a finite number >= 0"),
+    ("[storage_read]\noverlap_latency = 1", r"key 'storage_read\.overlap_latency'"),
+    ("h2d = 5", "key 'h2d' must be a table"),
+    ("mfu = = 2", "not valid TOML"),
+])
+def test_bad_toml_names_file_and_key(tmp_path: Path, text: str, match: str) -> None:
+    p = write(tmp_path, text, "bad.toml")
+    with pytest.raises(ConfigError, match=match) as info:
+        load_profile(str(p))
+    assert str(p) in str(info.value)
+
