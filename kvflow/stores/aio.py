@@ -116,7 +116,10 @@ class AsyncStore:
                 loop.call_soon_threadsafe(deliver, cf)
 
         self.stats.calls += 1
-        cf = self._pool.submit(fn, *args)
+        try:
+            cf = self._pool.submit(fn, *args)
+        except RuntimeError:  # closed by another task since the check above
+            raise StoreClosedError(f"AsyncStore over {self.store!r} is closed") from None
         self._inflight.add(settled)
         cf.add_done_callback(on_done)
         try:

@@ -274,8 +274,11 @@ class StoreStats:
     """Counters of one store since it was opened.
 
     ``misses`` counts every ``None`` a get returned, including ``corrupt``
-    entries (failed checksum / header / layout check; the entry is deleted)
-    and ``errors`` (I/O or connection failures, for gets and puts alike).
+    entries (failed checksum / header / layout check; the entry is deleted).
+    ``errors`` counts failures of the store itself, for gets and puts alike:
+    one per failed file operation (local), one per failed round trip or
+    refused command (Redis, including calls answered at once while the
+    server is marked down).
     ``put_failed`` counts every ``False`` from a put (no room, an error, a
     block larger than the whole capacity). ``bytes_*`` count payload bytes.
     ``evictions`` counts entries removed to make room (stores that track
