@@ -494,10 +494,13 @@ class CacheManager:
         follow: list[TransferOp] = []
         if ok:
             landed = []
-            for n in op.nodes:
+            # Tail-first, as requests release blocks: parents end up newer than
+            # their children in the destination's eviction order.
+            for n in reversed(op.nodes):
                 if n.state[dst] == FILLING and n.inflight[dst] is op:
                     index.mark_ready(n, dst)
                     landed.append(n)
+            landed.reverse()
             if dst == Tier.HOST and self.has_tier(Tier.STORAGE) and op.kind in (
                 OpKind.BACKUP, OpKind.EVICT
             ):

@@ -35,24 +35,20 @@ class EvictionPolicy(Protocol):
     def first(self) -> Any | None: ...
 
 
-def _scan(order: Callable[[], Iterator[Any]], present: Callable[[Any], bool]) -> Iterator[Any]:
-    """Yield nodes in policy order while the caller removes the ones it takes.
+def _rotating_scan(order: OrderedDict[Any, None]) -> Iterator[Any]:
+    """Yield nodes front to back while the caller removes the ones it takes.
 
-    The order is re-read after every yield, so removals never invalidate the
-    iteration; declined nodes (still present) stay in front and are skipped.
+    A node the caller declines (an inner node whose children are still
+    cached) is moved behind them: that is where a tree-aware LRU would rank it
+    anyway, and it keeps every scan linear. Each node is offered once.
     """
-    declined = 0
-    while True:
-        it = order()
-        for _ in range(declined):
-            if next(it, None) is None:
-                return
-        node = next(it, None)
+    for _ in range(len(order)):
+        node = next(iter(order), None)
         if node is None:
             return
         yield node
-        if present(node):
-            declined += 1
+        if node in order:
+            order.move_to_end(node)
 
 
 class LRU:
@@ -80,7 +76,7 @@ class LRU:
         self._order[node] = None
 
     def candidates(self) -> Iterator[Any]:
-        return _scan(lambda: iter(self._order), self._order.__contains__)
+        return _rotating_scan(self._order)
 
     def first(self) -> Any | None:
         """The first candidate, in O(1)."""
@@ -118,12 +114,11 @@ class LFU:
 
     ref = remove
 
-    def _order(self) -> Iterator[Any]:
-        for f in sorted(self._buckets):
-            yield from self._buckets[f]
-
     def candidates(self) -> Iterator[Any]:
-        return _scan(self._order, self._freq.__contains__)
+        for f in sorted(self._buckets):
+            bucket = self._buckets.get(f)
+            if bucket:
+                yield from _rotating_scan(bucket)
 
     def first(self) -> Any | None:
         """The first candidate, in O(distinct hit counts)."""

@@ -304,7 +304,7 @@ class _Sampler:
         span = now - self._last_t
         if span <= 0:
             return
-        links = self.backend.metrics()["links"]
+        links = self.backend.metrics()
         for k in self.LINKS:
             busy = links[k]["busy_s"]
             self.util[k].append(round(min(1.0, (busy - self._last_busy[k]) / span), 6))
@@ -332,7 +332,7 @@ def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBac
             for st in finished if st.generated > 1]
     hits = [sum(st.hits[t] for st in finished) for t in (0, 1, 2)]
     blocks = sum(len(st.req.keys) for st in finished)
-    links = backend.metrics()["links"]
+    links = backend.metrics()
     span = sim_time if sim_time > 0 else 1.0
     out_tokens = sum(st.generated for st in finished)
     in_tokens = sum(st.req.input_len for st in finished)
@@ -350,7 +350,7 @@ def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBac
                        "output_tokens_per_s": out_tokens / span,
                        "prompt_tokens_per_s": in_tokens / span},
         "bytes": dict(m.bytes),
-        "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in links},
+        "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in _Sampler.LINKS},
         "prefetch": dict(m.prefetch),
         "errors": {"failed_transfers": m.failed + m.cancelled,
                    "recomputed_blocks": runtime.manager.stats.recomputed_blocks,
