@@ -148,6 +148,9 @@ def replay(
                                                                  total=total))
         except KvflowError as exc:
             fail(str(exc))
+    if report["requests"] == 0 and report["rejected"]:
+        fail(f"all {report['rejected']} requests were rejected: each needs more device blocks "
+             f"than the {report['config']['device_blocks']} given")
     if out is not None:
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(json.dumps(report, indent=1))

@@ -243,7 +243,7 @@ class Engine:
                     st.tasks.append(task)
             st.shared = [t for t in map(self.runtime.task_of, plan.shared) if t is not None]
             st.tasks += st.shared
-            new_ids = plan.device_ids[plan.num_cached - len(plan.computing):] + plan.extra_ids
+            new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
             st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
             self.stats.admitted += 1
             self.running.append(st)

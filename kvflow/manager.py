@@ -72,6 +72,7 @@ class Plan:
     from the cache (some through ``ops``, some through loads of other plans in
     ``shared``), the rest are computed by the request (``computing`` nodes,
     plus ``private`` blocks whose key another request is computing right now).
+    ``nodes`` lists the indexed blocks the plan holds, cached ones first.
     """
 
     request_id: Hashable
@@ -89,7 +90,7 @@ class Plan:
 
     @property
     def num_cached(self) -> int:
-        return len(self.nodes)
+        return len(self.source_tiers)
 
     def hits(self, tier: Tier) -> int:
         return sum(1 for t in self.source_tiers if t == tier)

@@ -170,15 +170,25 @@ def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:
 
 
 def run_replay(cfg: ReplayConfig,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Run one replay and return its report (a JSON-ready dict)."""
+               progress: Callable[[int, int], None] | None = None, *,
+               configure_backend: Callable[[SimBackend], None] | None = None,
+               inspect: Callable[[CacheManager, Runtime | None], None] | None = None,
+               ) -> dict[str, Any]:
+    """Run one replay and return its report (a JSON-ready dict).
+
+    ``configure_backend`` sees the simulated backend before the first request
+    (fault injection); ``inspect`` sees the manager and runtime after the last
+    one (invariant checks). Both are for tests and experiments.
+    """
     t0 = time.perf_counter()
     setup = resolve(cfg)
     manager = make_manager(cfg, setup.capacities)
     if cfg.mode == "cache":
         body = _replay_cache(setup, manager, progress)
+        if inspect is not None:
+            inspect(manager, None)
     else:
-        body = run_sim(_replay_full(cfg, setup, manager, progress))
+        body = run_sim(_replay_full(cfg, setup, manager, progress, configure_backend, inspect))
     report: dict[str, Any] = {
         "kvflow_report": REPORT_VERSION,
         "config": _config_dict(cfg, setup),
@@ -243,11 +253,17 @@ def _hit_rates(hits: list[int], blocks: int) -> dict[str, float]:
 
 
 # -- full mode ------------------------------------------------------------------------------
-async def _replay_full(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
-                       progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+async def _replay_full(
+    cfg: ReplayConfig, setup: Setup, manager: CacheManager,
+    progress: Callable[[int, int], None] | None,
+    configure_backend: Callable[[SimBackend], None] | None = None,
+    inspect: Callable[[CacheManager, Runtime | None], None] | None = None,
+) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     spec = setup.spec
     backend = SimBackend(loop.env, spec, Hierarchy.from_profile(setup.profile))  # type: ignore[attr-defined]
+    if configure_backend is not None:
+        configure_backend(backend)
     runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
     executor = SimExecutor(CostModel(spec, setup.profile), spec.num_layers)
     engine = Engine(manager, runtime, executor,
@@ -273,6 +289,8 @@ async def _replay_full(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     sample_task.cancel()
     sampler.sample()  # the last, partial interval
     end = loop.time()
+    if inspect is not None:
+        inspect(manager, runtime)
     return _full_report(setup, engine, runtime, backend, sampler, end - start)
 
 

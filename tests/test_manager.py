@@ -21,8 +21,11 @@ def complete_all(m, ops):
 
 def test_miss_then_device_hit():
     m = CacheManager(Capacities(8))
-    p1, _ = run(m, 1, "abc")
-    assert p1.hits(Tier.DEVICE) == 0 and len(p1.computing) == 0 and p1.num_cached == 3
+    p1 = m.plan(1, "abc")
+    assert p1.num_cached == 0 and [n.key for n in p1.computing] == list("abc")
+    m.commit(p1)
+    m.finish(p1)
+    assert p1.hits(Tier.DEVICE) == 0 and len(p1.computing) == 0 and len(p1.nodes) == 3
     p2 = m.plan(2, "abcd")
     assert p2.source_tiers == [Tier.DEVICE] * 3
     assert p2.device_ids[:3] == p1.device_ids
@@ -36,7 +39,7 @@ def test_blocks_not_matchable_before_commit():
     p1 = m.plan(1, "abc")
     assert m.match("abc") == []
     p2 = m.plan(2, "abc")  # computes its own private copy instead of reading garbage
-    assert p2.num_cached == 0 and p2.private == [0, 1, 2]
+    assert p2.num_cached == 0 and p2.nodes == [] and p2.private == [0, 1, 2]
     m.commit(p1)
     assert [n.key for n in m.match("abc")] == list("abc")
     m.finish(p1)
