@@ -125,15 +125,16 @@ def print_comparison(cmp: Comparison, console: Any) -> None:
     hint only, the sign and the ratio carry the information in plain text too.
     """
     from rich.table import Table
+    from rich.text import Text
 
-    console.print(f"[bold]A[/bold] = {cmp.a_source}", highlight=False)
-    console.print(f"[bold]B[/bold] = {cmp.b_source}", highlight=False)
+    console.print(Text.assemble(("A", "bold"), f" = {cmp.a_source}"))
+    console.print(Text.assemble(("B", "bold"), f" = {cmp.b_source}"))
     if cmp.config_diff:
         cfg = Table(title="configuration differences", title_justify="left", title_style="bold")
         for col in ("setting", "A", "B"):
             cfg.add_column(col)
         for k, va, vb in cmp.config_diff:
-            cfg.add_row(k, "-" if va is None else str(va), "-" if vb is None else str(vb))
+            cfg.add_row(*(Text("-" if v is None else str(v)) for v in (k, va, vb)))
         console.print(cfg)
     else:
         console.print("same configuration")
@@ -150,7 +151,7 @@ def print_comparison(cmp: Comparison, console: Any) -> None:
             r.metric.label,
             fmt_value(r.metric.kind, r.a),
             fmt_value(r.metric.kind, r.b),
-            f"[{style}]{delta}[/{style}]" if style else delta,
+            Text(delta, style=style),
             fmt_ratio(r.ratio),
             end_section=nxt in _GROUP_STARTS,
         )

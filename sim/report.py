@@ -380,13 +380,14 @@ def print_report(report: Mapping[str, Any], console: Any, source: str | None = N
     """
     from rich.columns import Columns
     from rich.table import Table
+    from rich.text import Text
 
     if source:
-        console.print(f"[bold]{source}[/bold]", highlight=False)
+        console.print(Text(source, style="bold"))
     tables = []
     for sec in sections(report):
         if not sec.rows:
-            tables.append(f"[bold]{sec.title}[/bold]: {sec.note}")
+            tables.append(Text.assemble((sec.title, "bold"), f": {sec.note}"))
             continue
         is_cfg = sec.title == "configuration"
         table = Table(
@@ -400,7 +401,7 @@ def print_report(report: Mapping[str, Any], console: Any, source: str | None = N
         for i, col in enumerate(sec.columns):
             table.add_column(col, justify="left" if i == 0 or is_cfg else "right")
         for row in sec.rows:
-            table.add_row(*row)
+            table.add_row(*(Text(c) for c in row))  # values are data, not markup
         tables.append(table)
     console.print(tables[0])  # the configuration, full width: trace paths are long
     console.print(Columns(tables[1:], padding=(0, 2)))

@@ -18,7 +18,9 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvflow.errors import KvflowError
 from sim import report as rep
@@ -33,6 +35,7 @@ from sim.sweep import (
     run_grid,
     summary,
     sweep_plots,
+    value_word,
 )
 from traces.cli import OneLineCommand, fail, resolve_path
 
@@ -267,7 +270,7 @@ def sweep_cmd(
         for n in names:
             table.add_column(n)
         for p in points:
-            table.add_row(str(p.index), *(_word(p.params[n]) for n in names))
+            table.add_row(str(p.index), *(Text(value_word(p.params[n])) for n in names))
         _out(False).print(table)
         return
 
@@ -306,7 +309,7 @@ def sweep_cmd(
     if as_json:
         _print_json(summ)
     else:
-        _print_sweep(results, names, _out(False))
+        _print_sweep(results, params, _out(False))
         _out(False).print(
             f"wrote {out_dir / SWEEP_CSV}, {out_dir / SWEEP_JSON}"
             + (f" and {sum(str(p).endswith('.png') for p in files)} plot(s)" if plots else "")
@@ -319,10 +322,6 @@ def sweep_cmd(
             f"{first.point.label}: {first.error}\n"
         )
         raise typer.Exit(1)
-
-
-def _word(v: Any) -> str:
-    return "none" if v is None else str(v)
 
 
 def _report_path(out_dir: Path, index: int) -> Path:
@@ -344,7 +343,7 @@ def _progress(err: Console, total: int) -> Iterator[Callable[[int, int, PointRes
 
         def line(done: int, n: int, r: PointResult) -> None:
             what = r.error if r.error else _headline(r)
-            err.print(f"[{done}/{n}] {r.point.label}: {what} ({r.seconds:.1f} s)")
+            err.print(f"[{done}/{n}] {r.point.label}: {what} ({r.seconds:.1f} s)", markup=False)
 
         yield line
         return
@@ -372,7 +371,7 @@ def _progress(err: Console, total: int) -> Iterator[Callable[[int, int, PointRes
 
         def update(done: int, n: int, r: PointResult) -> None:
             mark = "[red]failed[/red] " if r.error else ""
-            bar.update(task, completed=done, description=f"{mark}{r.point.label}")
+            bar.update(task, completed=done, description=f"{mark}{escape(r.point.label)}")
 
         yield update
 
@@ -385,8 +384,12 @@ def _headline(r: PointResult) -> str:
     return s
 
 
-def _print_sweep(results: list[PointResult], names: list[str], console: Console) -> None:
-    table = Table(title=f"sweep: {len(results)} point(s)", title_justify="left")
+def _print_sweep(results: list[PointResult], params: list[Any], console: Console) -> None:
+    """One row per point; settings fixed for the whole sweep go in the title, not in columns."""
+    names = [n for n, vs in params if len(vs) > 1]
+    fixed = ", ".join(f"{n}={value_word(vs[0])}" for n, vs in params if len(vs) == 1)
+    title = escape(f"sweep: {len(results)} point(s)" + (f"; {fixed}" if fixed else ""))
+    table = Table(title=title, title_justify="left")
     table.add_column("point", justify="right")
     for n in names:
         table.add_column(n)
@@ -402,14 +405,14 @@ def _print_sweep(results: list[PointResult], names: list[str], console: Console)
         table.add_column(label, justify="right")
     any_failed = any(not r.ok for r in results)
     if any_failed:
-        table.add_column("error", style="red")
+        table.add_column("error", style="red", no_wrap=True, overflow="ellipsis", max_width=50)
     for r, flat in zip(results, flats, strict=True):
-        cells = [str(r.point.index), *(_word(r.point.params[n]) for n in names)]
+        cells = [str(r.point.index), *(value_word(r.point.params[n]) for n in names)]
         for k, _ in cols:
             cells.append(rep.fmt_value(rep.METRIC_BY_KEY[k].kind, flat[k]) if flat else "-")
         if any_failed:
             cells.append(r.error or "")
-        table.add_row(*cells)
+        table.add_row(*(Text(c) for c in cells))
     console.print(table)
 
 

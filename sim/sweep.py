@@ -206,8 +206,11 @@ class PointResult:
         return self.error is None
 
 
-def _word(v: Any) -> str:
-    return "none" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+def value_word(v: Any) -> str:
+    """A setting's value as typed on the command line: ``none``, ``true``, ``4000``."""
+    if v is None:
+        return "none"
+    return str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def expand_grid(base: Any, params: Sequence[Param]) -> list[Point]:
@@ -426,7 +429,7 @@ def csv_text(results: Sequence[PointResult], names: Sequence[str]) -> str:
     for r in results:
         flat = flatten(r.report) if r.report is not None else {}
         row: list[Any] = [r.point.index]
-        row += ["" if r.point.params[n] is None else _word(r.point.params[n]) for n in names]
+        row += ["" if r.point.params[n] is None else value_word(r.point.params[n]) for n in names]
         row += ["" if flat.get(m.key) is None else flat[m.key] for m in METRICS]
         row.append(r.error or "")
         w.writerow(row)
@@ -470,7 +473,7 @@ def sweep_plots(
     for r in results:
         if r.report is None:
             continue
-        label = ", ".join(f"{n}={_word(r.point.params[n])}" for n in others)
+        label = ", ".join(f"{n}={value_word(r.point.params[n])}" for n in others)
         xv = r.point.params[xname]
         xpos = float(xv) if numeric else float(xvals.index(xv))
         series.setdefault(label, []).append((xpos, flatten(r.report)))
@@ -487,7 +490,7 @@ def sweep_plots(
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         if not numeric:
-            ax.set_xticks(range(len(xvals)), [_word(v) for v in xvals])
+            ax.set_xticks(range(len(xvals)), [value_word(v) for v in xvals])
         else:
             xs = sorted(float(v) for v in xvals)
             if xs[0] > 0 and xs[-1] / xs[0] >= 100:
@@ -567,4 +570,4 @@ def summary(
 
 def point_label(params: Mapping[str, Any]) -> str:
     """``host_blocks=1000, eviction=lru``: how a point is named in messages and legends."""
-    return ", ".join(f"{k}={_word(v)}" for k, v in params.items())
+    return ", ".join(f"{k}={value_word(v)}" for k, v in params.items())
