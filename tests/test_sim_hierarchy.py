@@ -443,12 +443,14 @@ def test_many_ops_stay_exact_and_in_order() -> None:
         routes = [H2D, D2H, (Tier.STORAGE, Tier.HOST), (Tier.HOST, Tier.STORAGE)]
         sinks: list[tuple[str, Sink]] = []
         handles: list[SimTransfer] = []
+        afters: list[list[SimTransfer]] = []
         for k in range(200):
             src, dst = routes[k % 4]
             after = [handles[k - 3]] if k % 5 == 0 and k >= 3 else []
             s = Sink(loop.env)  # type: ignore[attr-defined]
             h = be.submit(op(src, dst, blocks=1 + k % 3), s, after)
             handles.append(h)
+            afters.append(after)
             sinks.append((h.link, s))
             if k % 7 == 0:
                 await asyncio.sleep(1e-3)
@@ -456,10 +458,12 @@ def test_many_ops_stay_exact_and_in_order() -> None:
         for link in ("h2d", "d2h", "storage_read", "storage_write"):
             ends = [s.done_at for name, s in sinks if name == link]
             assert ends == sorted(ends)
-        for (_, s), h in zip(sinks, handles, strict=True):
-            assert len(s.layers) == 4 and h.land_times == s.layers
-            for d in h.deps:
-                assert all(t >= dt for t, dt in zip(s.layers, d.land_times, strict=True))
-        assert be.inflight == 0
+        n_deps = 0
+        for (_, s), h, after in zip(sinks, handles, afters, strict=True):
+            assert len(s.layers) == 4 and h.land_times == s.layers and h.deps == ()
+            for d in after:
+                n_deps += 1
+                assert all(t > dt for t, dt in zip(s.layers, d.land_times, strict=True))
+        assert n_deps == 39 and be.inflight == 0
 
     run_sim(main())
