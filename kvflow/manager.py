@@ -406,10 +406,6 @@ class CacheManager:
         if plan.committed:
             self._adopt_private(plan)
         else:
-            for node in reversed(plan.computing):
-                plan.nodes.remove(node)
-                self._release(node)
-            plan.computing.clear()
             dev.free([plan.device_ids[i] for i in plan.private])
         plan.private.clear()
         if plan.extra_ids:
@@ -420,6 +416,7 @@ class CacheManager:
             index = self.index
             unreferenced = index.unreferenced
             policies = index.policies
+            orphans = []
             for node in reversed(plan.nodes):
                 r = node.ref - 1
                 node.ref = r
@@ -429,11 +426,22 @@ class CacheManager:
                         if st[t] == READY:
                             unreferenced[t] += 1
                             policies[t].unref(node)
+                    if st[0] == COMPUTING:  # a shared load failed; nobody recomputed it
+                        orphans.append(node)
                 elif r < 0:
                     raise AssertionError(f"ref count of {node!r} went negative")
+            for node in orphans:
+                if node.key in index.nodes and node.state[0] == COMPUTING:
+                    self._drop_with_subtree(node, Tier.DEVICE)
         else:
-            for node in reversed(plan.nodes):
-                self._release(node)
+            computing = set(map(id, plan.computing))
+            for node in sorted(plan.nodes, key=lambda n: -n.depth):  # children first
+                if id(node) in computing:
+                    self._release(node)
+                else:
+                    self.index.unref(node)
+            plan.nodes = [n for n in plan.nodes if id(n) not in computing]
+            plan.computing.clear()
         ops: list[TransferOp] = []
         if self.has_tier(Tier.HOST) and plan.committed:
             wp = self.write_policy

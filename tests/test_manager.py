@@ -261,3 +261,42 @@ def test_failed_shared_load_goes_to_a_live_sharer():
     m.finish(sharer)
     assert [n.key for n in m.match("a")] == ["a"]
     m.check_invariants()
+
+
+def test_committed_sharer_of_a_failed_load_leaves_no_orphan():
+    # Found by the stateful test: the loader aborted after its load failed;
+    # the sharer committed anyway; the block stayed "computing" forever.
+    m = CacheManager(Capacities(2, 1), write_policy="write_through")
+    _, ops = run(m, 0, ((0,),))
+    complete_all(m, ops)
+    with pytest.raises(NotEnoughBlocks):
+        m.plan(1, ((1,), (1, 0), (1, 0, 0)))  # evicts (0,) from the device on the way
+    loader, sharer = m.plan(2, ((0,),)), m.plan(3, ((0,),))
+    (load,) = loader.ops
+    m.complete(load, ok=False)
+    m.commit(sharer)
+    m.finish(loader)
+    m.finish(sharer)
+    assert all(n.state[Tier.DEVICE] != COMPUTING for n in m.index)
+    m.check_invariants()
+    m.drop_all()
+    assert [p.num_used for p in m.pools] == [0, 0, 0]
+
+
+def test_aborted_plan_releases_children_before_parents():
+    # Found by the stateful test: a failed load made a parent "computing";
+    # aborting released it before its child and tripped over the child's ref.
+    m = CacheManager(Capacities(2, 1), write_policy="write_through")
+    p = m.plan(0, ((0,),))
+    m.commit(p)
+    (backup,) = m.finish(p)
+    with pytest.raises(NotEnoughBlocks):
+        m.plan(1, ((1,), (1, 0), (1, 0, 0)))
+    p2 = m.plan(2, ((0,), (0, 0)))
+    m.complete(backup, ok=False)
+    (load,) = [o for o in p2.ops if o.kind == OpKind.SWAP_IN]
+    m.complete(load, ok=False)
+    m.finish(p2)
+    m.check_invariants()
+    m.drop_all()
+    assert [p.num_used for p in m.pools] == [0, 0, 0]

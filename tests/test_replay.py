@@ -36,7 +36,9 @@ def test_cache_mode_device_only_equals_the_lru_oracle():
     cap = 2000
     r = run_replay(ReplayConfig(trace=SAMPLE, mode="cache", device_blocks=cap,
                                 host_blocks=0, storage_blocks=0))
-    reqs = [json.loads(line)["hash_ids"] for line in open(SAMPLE)]
+    from test_lru_oracle import load
+
+    reqs = load(SAMPLE)
     total = sum(map(len, reqs))
     assert r["hit_rate"]["device"] == oracle(reqs, cap) / total
     assert r["hit_rate"]["host"] == r["hit_rate"]["storage"] == 0
