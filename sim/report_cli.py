@@ -295,7 +295,11 @@ def sweep_cmd(
 
     files: dict[Path, bytes | str] = {out_dir / SWEEP_CSV: csv_text(results, names)}
     if plots:
-        files.update({out_dir / f"{k}.png": v for k, v in sweep_plots(results, params, x).items()})
+        held = [f"{n}={value_word(vs[0])}" for n, vs in params if len(vs) == 1 and n != "trace"]
+        traces = dict(params).get("trace", [trace_path])
+        caption = " · ".join([", ".join(Path(t).name for t in traces), *held])
+        made = sweep_plots(results, params, x, caption=caption)
+        files.update({out_dir / f"{k}.png": v for k, v in made.items()})
     if keep_reports:
         for r in results:
             if r.report is not None:
@@ -343,7 +347,8 @@ def _progress(err: Console, total: int) -> Iterator[Callable[[int, int, PointRes
 
         def line(done: int, n: int, r: PointResult) -> None:
             what = r.error if r.error else _headline(r)
-            err.print(f"[{done}/{n}] {r.point.label}: {what} ({r.seconds:.1f} s)", markup=False)
+            msg = f"[{done}/{n}] {r.point.label}: {what} ({r.seconds:.1f} s)"
+            err.print(msg, markup=False, soft_wrap=True)
 
         yield line
         return

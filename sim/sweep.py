@@ -458,10 +458,16 @@ def choose_x(params: Sequence[Param], x: str | None = None) -> str | None:
 
 
 def sweep_plots(
-    results: Sequence[PointResult], params: Sequence[Param], x: str | None = None
+    results: Sequence[PointResult],
+    params: Sequence[Param],
+    x: str | None = None,
+    caption: str = "",
 ) -> dict[str, bytes]:
     """PNG bytes by name: ``hit_rate`` and (full mode) ``ttft`` against the x setting,
-    one line per combination of the other swept settings."""
+    one line per combination of the other swept settings.
+
+    ``caption`` goes above each plot (say, the trace and the settings held
+    fixed), so a PNG separated from its CSV still says what it shows."""
     xname = choose_x(params, x)
     if xname is None:
         return {}
@@ -486,6 +492,8 @@ def sweep_plots(
         fig = new_figure(7.0, 4.2)
         ax = fig.add_subplot()
         ax.set_title(title, fontsize=10)
+        if caption:
+            fig.suptitle(caption, fontsize=8, color="#555555")
         ax.set_xlabel(xname)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
