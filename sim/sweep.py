@@ -293,6 +293,8 @@ def run_grid(
     if workers is not None and workers < 1:
         raise SweepError(f"workers must be >= 1, got {workers}")
     if scheduler is not None:
+        if workers is not None:
+            raise SweepError("--workers is for local runs; on a Dask cluster its workers decide")
         return _run_dask(scheduler, fn, points, progress, connect_timeout_s)
     n_workers = min(len(points), workers or available_cpus())
     if n_workers <= 1:

@@ -162,6 +162,9 @@ def test_sweep_user_errors(tmp_path: Path) -> None:
     assert "missing.jsonl: no such trace file" in user_error(
         "sweep", t, "-p", f"trace={t},missing.jsonl"
     )
+    assert "--workers is for local runs" in user_error(
+        "sweep", t, "-p", "seed=1", "--scheduler", "tcp://127.0.0.1:1", "-j", "2"
+    )
     line = user_error("sweep", t, "-p", "seed=1", "--scheduler", "tcp://127.0.0.1:1")
     assert "cannot reach the Dask scheduler at tcp://127.0.0.1:1" in line
     assert list(tmp_path.iterdir()) == [afile]  # nothing written, not even ./sweep
