@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvflow.errors import ConfigError, NotEnoughBlocks, TransferError
-from kvflow.manager import CacheManager, OpKind, Plan
+from kvflow.manager import CacheManager, OpKind, Plan, Reservation
 from kvflow.policy import PrefetchPolicy
 from kvflow.radix import Tier
 from kvflow.runtime import Runtime, TransferTask
@@ -101,6 +101,8 @@ class RequestState:
     tasks: list[TransferTask] = field(default_factory=list)     # everything a step waits on
     shared: list[TransferTask] = field(default_factory=list)    # other requests' loads
     prefetch: list[TransferTask] = field(default_factory=list)
+    prefetched: frozenset = frozenset()  # keys brought up from storage at arrival
+    reservation: Reservation | None = None
     ready: bool = False             # prefetch settled, may be scheduled
     waited: bool = False            # its loads have been waited for by a step
     prefilled: int = 0              # prompt tokens whose KV exists
@@ -156,6 +158,13 @@ class Engine:
             self.done.append(st)
             return st
         self.waiting.append(st)
+        # Storage reads start now, not at admission: they overlap the queueing.
+        st.reservation = self.manager.prefetch(req.keys)
+        for task in self.runtime.submit_all(st.reservation.ops):
+            if task.kind is OpKind.PREFETCH:
+                st.prefetch.append(task)
+        if st.prefetch:
+            st.prefetched = frozenset(k for t in st.prefetch for k in t.op.keys)
         self._wake.set()
         return st
 
@@ -223,16 +232,25 @@ class Engine:
             st = self.waiting[0]
             req = st.req
             extra = self._blocks_needed(req) - len(req.keys)
+            best_effort = self.prefetch_policy.name == "best_effort"
+            if best_effort:  # what has not reached host by now is recomputed
+                for t in st.prefetch:
+                    if not t.finished:
+                        t.cancel("prefetch: request scheduled")
             try:
-                plan = manager.plan(req.request_id, req.keys, extra)
+                plan = manager.plan(req.request_id, req.keys, extra,
+                                    use_storage=not best_effort)
             except NotEnoughBlocks:
                 self.runtime.submit_all(self._take_detached())
                 return  # head of line waits for blocks to come free
             self.runtime.submit_all(self._take_detached())
             self.waiting.popleft()
+            if st.reservation is not None:  # the plan holds what it needs now
+                manager.release(st.reservation)
+                st.reservation = None
             st.plan = plan
             st.admit_s = self.loop.time()
-            st.hits = (plan.hits(Tier.DEVICE), plan.hits(Tier.HOST), plan.hits(Tier.STORAGE))
+            st.hits = self._served_from(st, plan.num_cached)
             st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
             st.tasks = []
             for op in plan.ops:
@@ -241,15 +259,22 @@ class Engine:
                     st.prefetch.append(task)
                 else:
                     st.tasks.append(task)
-            st.shared = [t for t in map(self.runtime.task_of, plan.shared) if t is not None]
+            # Loads of other requests this one reads. A prefetch started at
+            # arrival (owned by nobody) is not one of them: our swap-in reads
+            # after it, and fails into a recompute if it does not land.
+            st.shared = [t for t in map(self.runtime.task_of, plan.shared)
+                         if t is not None and t.op.plan is not None]
             st.tasks += st.shared
             new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
             st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
             self.stats.admitted += 1
             self.running.append(st)
-            if st.prefetch:
+            if self.prefetch_policy.name == "timeout" and any(
+                    not t.finished for t in st.prefetch):
                 self.loop.create_task(self._settle_prefetch(st))
             else:
+                # wait_complete needs no holding back: the swap-ins read after
+                # the prefetch, and each layer's compute after its swap-in.
                 st.ready = True
 
     def _take_detached(self) -> list:
@@ -258,14 +283,13 @@ class Engine:
         return ops
 
     async def _settle_prefetch(self, st: RequestState) -> None:
-        """Hold the request back as the prefetch policy says, then let it run."""
-        pending = [t for t in st.prefetch if not t.finished]
-        deadline = self.prefetch_policy.deadline_s(st.req.input_len)
-        if pending and deadline != 0.0:
-            await asyncio.wait([t.wait() for t in pending], timeout=deadline)
+        """Timeout policy: hold the request back until its prefetch lands or the
+        deadline passes; what has not landed by then is recomputed."""
+        pending = [t.wait() for t in st.prefetch if not t.finished]
+        await asyncio.wait(pending, timeout=self.prefetch_policy.deadline_s(st.req.input_len))
         for t in st.prefetch:
             if not t.finished:
-                t.cancel("prefetch deadline")  # what did not arrive is recomputed
+                t.cancel("prefetch deadline")
         st.ready = True
         self._wake.set()
 
@@ -335,6 +359,21 @@ class Engine:
         if start < st.prefilled:
             self.stats.recomputed_tokens += st.prefilled - start
             st.prefilled = start
+        st.hits = self._served_from(st, first)  # what was served, not what was planned
+
+    @staticmethod
+    def _served_from(st: RequestState, blocks: int) -> tuple[int, int, int]:
+        """Blocks per tier among the first ``blocks`` cached ones; blocks the
+        arrival prefetch brought up to host count as storage hits."""
+        counts = [0, 0, 0]
+        tiers = st.plan.source_tiers  # type: ignore[union-attr]
+        keys = st.req.keys
+        for i in range(min(blocks, len(tiers))):
+            t = tiers[i]
+            if t == Tier.HOST and keys[i] in st.prefetched:
+                t = Tier.STORAGE
+            counts[t] += 1
+        return counts[0], counts[1], counts[2]
 
     def _after_failed_loads(self, members: list[tuple[RequestState, int]]) -> None:
         """A step's wait failed: nothing of it counts; affected requests rewind."""

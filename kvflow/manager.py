@@ -96,6 +96,14 @@ class Plan:
         return sum(1 for t in self.source_tiers if t == tier)
 
 
+@dataclass(eq=False)
+class Reservation:
+    """A waiting request's prefetch: its ops, and the blocks held until it is planned."""
+
+    ops: list[TransferOp]
+    nodes: list[Node]
+
+
 @dataclass
 class ManagerStats:
     plans: int = 0
@@ -169,8 +177,52 @@ class CacheManager:
         return [n.best_tier() for n in self.index.match(keys)]
 
     # ------------------------------------------------------------------- plan
-    def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0) -> Plan:
+    def prefetch(self, keys: Sequence[Hashable], blocks_per_op: int = 4) -> Reservation:
+        """Start bringing a waiting request's storage hits up to host.
+
+        Called at arrival, long before the request gets device blocks, so its
+        storage reads overlap its time in the queue. Ops are small so that a
+        request scheduled mid-way can use the part that has landed.
+
+        The returned reservation references the blocks of the cached prefix
+        that are not on the device, so that what is on host (or on its way)
+        stays there while the request waits — even a queue of minutes;
+        ``release`` it once the request is planned. Device blocks are never held for a waiting
+        request (that could keep the head of the queue from ever fitting).
+        """
+        if not self.has_tier(Tier.HOST):
+            return Reservation([], [])
+        matched = self.index.match(keys)
+        held = [n for n in matched if n.best_tier() != Tier.DEVICE]
+        for n in held:
+            self.index.ref(n)
+        todo = [n for n in held if n.best_tier() == Tier.STORAGE]
+        ops: list[TransferOp] = []
+        if not todo:
+            return Reservation(ops, held)
+        host_ids = self._make_room(Tier.HOST, min(len(todo), self._room(Tier.HOST)), ops,
+                                   partial=True)
+        todo = todo[:len(host_ids)]
+        for n, h in zip(todo, reversed(host_ids), strict=True):
+            self.index.set_copy(n, Tier.HOST, h, FILLING)
+        for i in range(0, len(todo), blocks_per_op):
+            self._op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, todo[i:i + blocks_per_op], ops,
+                     None)
+        return Reservation(ops, held)
+
+    def release(self, reservation: Reservation) -> None:
+        """Drop a prefetch reservation (tail-first, as requests release blocks)."""
+        for n in reversed(reservation.nodes):
+            self._release(n)
+        reservation.nodes = []
+
+    def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0,
+             use_storage: bool = True) -> Plan:
         """Reserve device blocks for a request and say which copies it needs.
+
+        ``use_storage=False`` stops the cached prefix at the first block that
+        is only in storage (best-effort prefetch: what has not reached host by
+        now is recomputed rather than waited for).
 
         Raises ``NotEnoughBlocks`` (leaving every pool and reference as it was)
         when the device cannot hold the request even after evicting every
@@ -179,6 +231,11 @@ class CacheManager:
         keys = tuple(keys)
         index = self.index
         matched = index.match(keys)
+        if not use_storage:
+            for i, n in enumerate(matched):
+                if n.best_tier() == Tier.STORAGE:
+                    del matched[i:]
+                    break
         ref = index.ref
         for n in matched:
             ref(n)

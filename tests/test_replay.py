@@ -102,22 +102,44 @@ def repeated_prefix_trace(path) -> str:
 
 
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
-def test_prefetch_policies(tmp_path, policy):
+def test_prefetch_policies_when_scheduled_at_once(tmp_path, policy):
+    # The repeated prompt finds an idle GPU: it is scheduled on arrival, long
+    # before its 1 GiB from storage (4 ops of 4 blocks, started at arrival) lands.
     trace = repeated_prefix_trace(tmp_path / "t.jsonl")
     r = run_replay(ReplayConfig(trace=trace, device_blocks=40, host_blocks=20,
                                 storage_blocks=200, prefetch_policy=policy),
                    inspect=check_drained)
     pf = r["prefetch"]
-    assert r["requests"] == 8 and pf["issued"] == 1
-    if policy == "wait_complete":
-        assert pf == {"issued": 1, "completed": 1, "cancelled": 0, "failed": 0}
-        assert r["errors"]["recomputed_blocks"] == 0
-    elif policy == "best_effort":
-        # Scheduled at once: the prefetch had not landed and is cut short.
-        assert pf["cancelled"] == 1
-        assert r["errors"]["recomputed_blocks"] > 0
-    else:  # the default timeout (5 ms + 2 ms/1k tokens) is far shorter than 1 GB from disk
-        assert pf["cancelled"] == 1
+    assert r["requests"] == 8 and pf["issued"] == 4
+    if policy == "wait_complete":  # waits (layer by layer, behind the reads)
+        assert pf == {"issued": 4, "completed": 4, "cancelled": 0, "failed": 0}
+        assert r["errors"]["recomputed_blocks"] == 0 and r["hit_rate"]["storage"] == 16 / 128
+    else:  # best_effort cuts it at once; the default timeout (21 ms) soon after
+        assert pf["cancelled"] == 4 and r["hit_rate"]["storage"] == 0
+        assert r["errors"]["recomputed_blocks"] == 16
+
+
+def test_best_effort_serves_what_landed_while_queued(tmp_path):
+    reqs = [Request(0, 0.0, 16 * 512, 8, block_hashes=tuple(range(1000, 1016)))]
+    for i in range(1, 7):
+        reqs.append(Request(i, float(i), 16 * 512, 8,
+                            block_hashes=tuple(range(i * 100, i * 100 + 16))))
+    # A long prompt holds the device; the repeat queues behind it meanwhile.
+    reqs.append(Request(7, 20.0, 38 * 512, 8, block_hashes=tuple(range(5000, 5038))))
+    reqs.append(Request(8, 20.001, 16 * 512, 8, block_hashes=tuple(range(1000, 1016))))
+    path = tmp_path / "q.jsonl"
+    write_generic(reqs, path, block_tokens=512)
+    r = run_replay(ReplayConfig(trace=str(path), device_blocks=40, host_blocks=100,
+                                storage_blocks=400, prefetch_policy="best_effort"),
+                   inspect=check_drained)
+    pf = r["prefetch"]
+    assert pf["issued"] == pf["completed"] > 0 and pf["cancelled"] == pf["failed"] == 0
+    assert r["errors"]["recomputed_blocks"] == 0
+    blocks = 7 * 16 + 38 + 16
+    # Every block of the repeat is served: the ones still on host, and the
+    # rest from storage (4 blocks per prefetch op), which landed in the queue.
+    assert r["hit_rate"]["storage"] == 4 * pf["completed"] / blocks
+    assert r["hit_rate"]["host"] + r["hit_rate"]["storage"] == 16 / blocks
 
 
 @pytest.mark.asyncio
