@@ -612,7 +612,8 @@ class CacheManager:
         any new writer of a freed block after the old one.
         """
         index = self.index
-        if node.children and not has_other_copy(node, tier):
+        a, b = (t for t in (0, 1, 2) if t != tier)
+        if node.children and node.state[a] == ABSENT and node.state[b] == ABSENT:
             for d in index.descendants(node):
                 for t in (0, 1, 2):
                     if d.state[t] != ABSENT:

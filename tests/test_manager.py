@@ -300,3 +300,23 @@ def test_aborted_plan_releases_children_before_parents():
     m.check_invariants()
     m.drop_all()
     assert [p.num_used for p in m.pools] == [0, 0, 0]
+
+
+def test_failed_backup_keeps_a_block_being_recomputed():
+    # Found by the stateful test: the load of a block failed (its request now
+    # recomputes it), then the backup it was loading from failed too; the
+    # block's subtree — the request's own new block — was dropped under it.
+    m = CacheManager(Capacities(2, 1), write_policy="write_through")
+    p = m.plan(0, ((0,),))
+    m.commit(p)
+    (backup,) = m.finish(p)
+    m.finish(m.plan(1, ((1,), (1, 0))))  # evicts (0,) from the device, then aborts
+    p2 = m.plan(2, ((0,), (0, 0)))
+    (load,) = [o for o in p2.ops if o.kind == OpKind.SWAP_IN]
+    m.complete(load, ok=False)
+    m.complete(backup, ok=False)
+    assert [n.key for n in p2.computing] == [(0, 0), (0,)]
+    m.commit(p2)
+    m.finish(p2)
+    assert [n.key for n in m.match(((0,), (0, 0)))] == [(0,), (0, 0)]
+    m.check_invariants()
