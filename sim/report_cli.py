@@ -274,14 +274,14 @@ def sweep_cmd(
         _out(False).print(table)
         return
 
-    fixed = [out_dir / SWEEP_CSV, out_dir / SWEEP_JSON]
+    targets = [out_dir / SWEEP_CSV, out_dir / SWEEP_JSON]
     if plots:
-        fixed += [out_dir / f"{n}.png" for n in SWEEP_PLOTS]
+        targets += [out_dir / f"{n}.png" for n in SWEEP_PLOTS]
     if keep_reports:
-        fixed += [_report_path(out_dir, p.index) for p in points]
+        targets += [_report_path(out_dir, p.index) for p in points]
     with _user_errors():
         rep.check_dir(out_dir)
-        rep.check_targets(fixed, force)  # before an hour of replays, not after
+        rep.check_targets(targets, force)  # before an hour of replays, not after
 
     err = Console(stderr=True, highlight=False)
     with _user_errors(), _progress(err, len(points)) as progress:
