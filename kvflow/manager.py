@@ -493,10 +493,7 @@ class CacheManager:
         else:
             computing = set(map(id, plan.computing))
             for node in sorted(plan.nodes, key=lambda n: -n.depth):  # children first
-                if id(node) in computing:
-                    self._release(node)
-                else:
-                    self.index.unref(node)
+                self._release(node)  # a block left "computing" by nobody goes
             plan.nodes = [n for n in plan.nodes if id(n) not in computing]
             plan.computing.clear()
         ops: list[TransferOp] = []

@@ -383,7 +383,8 @@ def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBac
     }
 
 
-def _hit_series(finished: list[RequestState], sampler: _Sampler) -> dict[str, list[float]]:
+def _hit_series(finished: list[RequestState],
+                sampler: _Sampler) -> dict[str, list[float | None]]:
     """Hit rate per tier of the requests arriving in each sampling interval."""
     n = len(sampler.t)
     if n == 0:
@@ -395,7 +396,8 @@ def _hit_series(finished: list[RequestState], sampler: _Sampler) -> dict[str, li
         blocks[b] += len(st.req.keys)
         for t in (0, 1, 2):
             hits[t, b] += st.hits[t]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        rates = np.where(blocks > 0, hits / np.maximum(blocks, 1), 0.0)
-    return {f"hit_rate_{name}": [round(float(x), 6) for x in rates[t]]
+    rates = hits / np.maximum(blocks, 1)
+    # An interval with no arrivals has no hit rate (null), not a rate of zero.
+    return {f"hit_rate_{name}": [round(float(x), 6) if b else None
+                                 for x, b in zip(rates[t], blocks, strict=True)]
             for t, name in enumerate(("device", "host", "storage"))}

@@ -320,3 +320,19 @@ def test_failed_backup_keeps_a_block_being_recomputed():
     m.finish(p2)
     assert [n.key for n in m.match(((0,), (0, 0)))] == [(0,), (0, 0)]
     m.check_invariants()
+
+
+def test_aborted_sharer_of_a_failed_load_leaves_no_orphan():
+    # Found by the stateful test: loader and sharer both aborted after the
+    # shared load failed; the block stayed "computing" with no reference.
+    m = CacheManager(Capacities(2, 1), write_policy="write_through")
+    _, ops = run(m, 0, ((0,),))
+    complete_all(m, ops)
+    with pytest.raises(NotEnoughBlocks):
+        m.plan(1, ((1,), (1, 0), (1, 0, 0)))
+    loader, sharer = m.plan(2, ((0,),)), m.plan(3, ((0,),))
+    m.complete(loader.ops[0], ok=False)
+    m.finish(loader)
+    m.finish(sharer)
+    assert all(n.state[Tier.DEVICE] != COMPUTING for n in m.index)
+    m.check_invariants()
