@@ -129,25 +129,22 @@ def replay(
     if out is not None and out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite")
     console = Console(stderr=as_json)
-    with user_errors():
-        try:
-            cfg = ReplayConfig(
-                trace=str(resolve_path(trace)) if trace else None, model=model, profile=profile,
-                device_blocks=device_blocks, host_blocks=host_blocks,
-                storage_blocks=storage_blocks, device_gb=device_gb, host_gb=host_gb,
-                storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
-                write_threshold=write_threshold, prefetch_policy=prefetch_policy,
-                mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
-                skip_bad=skip_bad)
-            with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("requests"), TimeElapsedColumn(), console=console,
-                          transient=True) as bar:
-                task = bar.add_task("replay", total=None)
-                report = run_replay(
-                    cfg, progress=lambda done, total: bar.update(task, completed=done,
-                                                                 total=total))
-        except KvflowError as exc:
-            fail(str(exc))
+    with user_errors(KvflowError):
+        cfg = ReplayConfig(
+            trace=str(resolve_path(trace)) if trace else None, model=model, profile=profile,
+            device_blocks=device_blocks, host_blocks=host_blocks,
+            storage_blocks=storage_blocks, device_gb=device_gb, host_gb=host_gb,
+            storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
+            write_threshold=write_threshold, prefetch_policy=prefetch_policy,
+            mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
+            skip_bad=skip_bad)
+        with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("requests"), TimeElapsedColumn(), console=console,
+                      transient=True) as bar:
+            task = bar.add_task("replay", total=None)
+            report = run_replay(
+                cfg, progress=lambda done, total: bar.update(task, completed=done,
+                                                             total=total))
     if report["requests"] == 0 and report["rejected"]:
         fail(f"all {report['rejected']} requests were rejected: each needs more device blocks "
              f"than the {report['config']['device_blocks']} given")

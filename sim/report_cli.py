@@ -37,24 +37,11 @@ from sim.sweep import (
     sweep_plots,
     value_word,
 )
-from traces.cli import OneLineCommand, fail, resolve_path
+from traces.cli import OneLineCommand, fail, resolve_path, user_errors
 
 SWEEP_CSV = "sweep.csv"
 SWEEP_JSON = "sweep.json"
 SWEEP_PLOTS = ("hit_rate", "ttft")
-
-
-@contextmanager
-def _user_errors() -> Iterator[None]:
-    """kvflow's deliberate errors (a bad file, a bad value) become the one-line exit 2."""
-    try:
-        yield
-    except KvflowError as exc:
-        fail(str(exc))
-    except OSError as exc:
-        if exc.filename is not None and exc.strerror:
-            fail(f"{exc.filename}: {exc.strerror}")
-        fail(str(exc) or type(exc).__name__)
 
 
 def _replay_api() -> tuple[type, Callable[[Any], dict[str, Any]]]:
@@ -113,7 +100,7 @@ def report_cmd(
     utilisation and queue length over time (full mode; cache mode has no timing).
     """
     err = Console(stderr=True)
-    with _user_errors():
+    with user_errors(KvflowError):
         report = rep.load_report(report_file)
         targets: dict[Path, bytes | str] = {}
         if html_file is not None:
@@ -171,7 +158,7 @@ def compare_cmd(
     latency and errors) and red where it is worse; configuration differences
     are listed first.
     """
-    with _user_errors():
+    with user_errors(KvflowError):
         ra, rb = rep.load_report(a), rep.load_report(b)
     cmp = compare_reports(ra, rb, str(a), str(b))
     if as_json:
@@ -249,7 +236,7 @@ def sweep_cmd(
 ) -> None:
     """Replay a trace over a grid of settings, in parallel; write a CSV and plots."""
     cfg_type, run = _replay_api()
-    with _user_errors():
+    with user_errors(KvflowError):
         trace_path = _trace_file(trace)
         params = parse_params(cfg_type, param)
         params = [(n, [_trace_file(v) for v in vs] if n == "trace" else vs) for n, vs in params]
@@ -279,12 +266,12 @@ def sweep_cmd(
         targets += [out_dir / f"{n}.png" for n in SWEEP_PLOTS]
     if keep_reports:
         targets += [_report_path(out_dir, p.index) for p in points]
-    with _user_errors():
+    with user_errors(KvflowError):
         rep.check_dir(out_dir)
         rep.check_targets(targets, force)  # before an hour of replays, not after
 
     err = Console(stderr=True, highlight=False)
-    with _user_errors(), _progress(err, len(points)) as progress:
+    with user_errors(KvflowError), _progress(err, len(points)) as progress:
         try:
             results = run_grid(
                 base, params, run, scheduler=scheduler, workers=workers, progress=progress
@@ -307,7 +294,7 @@ def sweep_cmd(
     listed = [str(p) for p in (*files, out_dir / SWEEP_JSON)]
     summ = summary(base, params, results, listed)
     files[out_dir / SWEEP_JSON] = json.dumps(summ, indent=2, default=str) + "\n"
-    with _user_errors():
+    with user_errors(KvflowError):
         rep.write_files(files, force=force)
 
     if as_json:

@@ -80,7 +80,10 @@ trace_app = typer.Typer(
 
 
 @contextmanager
-def _user_errors() -> Iterator[None]:
+def user_errors(*also: type[Exception]) -> Iterator[None]:
+    """Bad input becomes the one-line exit 2: trace errors, OS errors on files,
+    and whatever other error types the caller names (kvflow's own, say —
+    ``traces`` does not import the rest of kvflow)."""
     try:
         yield
     except TraceError as exc:
@@ -88,6 +91,8 @@ def _user_errors() -> Iterator[None]:
     except OSError as exc:
         if exc.filename is not None and exc.strerror:
             _fail(f"{exc.filename}: {exc.strerror}")
+        _fail(str(exc) or type(exc).__name__)
+    except also as exc:
         _fail(str(exc))
 
 
@@ -95,7 +100,6 @@ def _user_errors() -> Iterator[None]:
 fail = _fail
 OneLineCommand = _OneLineCommand
 OneLineGroup = _OneLineGroup
-user_errors = _user_errors
 
 
 def _resolve(path: str) -> Path:
@@ -197,7 +201,7 @@ def stats(
 ) -> None:
     """Requests, arrival rate, lengths, unique blocks, hit ceilings, reuse distances."""
     err = Console(stderr=True)
-    with _user_errors():
+    with user_errors():
         tr = _open(file, fmt, skip_bad, block_tokens)
         if err.is_terminal and not as_json:
             with err.status(f"reading {tr.path} ...", spinner="dots"):
@@ -314,7 +318,7 @@ def gen(
     params["with_tokens"] = with_tokens
     if rate is not None:
         params["rate"] = rate
-    with _user_errors():
+    with user_errors():
         if Path(output).exists() and not force:
             _fail(f"{output} exists; pass --force to replace it")
         try:
@@ -353,7 +357,7 @@ def convert(
     """Convert a trace to the generic JSONL form (e.g. Azure CSV at a chosen block size)."""
     if limit is not None and limit < 0:
         _fail(f"--limit must be >= 0, got {limit}")
-    with _user_errors():
+    with user_errors():
         tr = _open(file, fmt, skip_bad, block_tokens)
         if Path(output).exists() and not force:
             _fail(f"{output} exists; pass --force to replace it")
