@@ -242,7 +242,16 @@ class Engine:
                                     use_storage=not best_effort)
             except NotEnoughBlocks:
                 self.runtime.submit_all(self._take_detached())
-                return  # head of line waits for blocks to come free
+                if self.running:
+                    return  # head of line waits for blocks to come free
+                if self._drop_reservations():
+                    continue  # they pinned blocks through closure: try again
+                # Nothing runs and nothing is held for anyone else: it never fits.
+                self.waiting.popleft()
+                st.error = "does not fit on the device even with every other block evicted"
+                self.stats.rejected += 1
+                self.done.append(st)
+                continue
             self.runtime.submit_all(self._take_detached())
             self.waiting.popleft()
             if st.reservation is not None:  # the plan holds what it needs now
@@ -276,6 +285,22 @@ class Engine:
                 # wait_complete needs no holding back: the swap-ins read after
                 # the prefetch, and each layer's compute after its swap-in.
                 st.ready = True
+
+    def _drop_reservations(self) -> bool:
+        """Release what waiting requests hold for their prefetch; True if any was held.
+
+        Reservations are hints: a queue of waiting requests holding host
+        blocks can, through prefix closure, pin device blocks too (a device
+        parent of a held host child cannot be dropped). When nothing runs and
+        the head of the queue cannot fit, they go.
+        """
+        held = False
+        for st in self.waiting:
+            if st.reservation is not None:
+                held = held or bool(st.reservation.nodes)
+                self.manager.release(st.reservation)
+                st.reservation = None
+        return held
 
     def _take_detached(self) -> list:
         ops = self.manager.detached_ops[:]

@@ -28,7 +28,7 @@ from kvflow.hashing import BlockHasher, ExtraKeys
 from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities, TransferOp
 from kvflow.policy import PrefetchPolicy, WritePolicy
-from kvflow.runtime import Runtime
+from kvflow.runtime import LINKS, Runtime
 from sim.cost import CostModel, GpuProfile, load_profile
 from sim.executor import SimExecutor
 from sim.hierarchy import Hierarchy, SimBackend
@@ -43,6 +43,8 @@ DEFAULT_HOST_GB = 256.0
 DEFAULT_STORAGE_GB = 2048.0
 REPORT_VERSION = 1
 MODES = ("full", "cache")
+#: Worlds a full replay runs in: the simulator, or the engine on a real GPU (kernels.replay).
+BACKENDS = ("sim", "cuda")
 
 
 @dataclass
@@ -69,10 +71,15 @@ class ReplayConfig:
     max_running: int = 256
     sample_interval_s: float = 10.0
     skip_bad: bool = False
+    backend: str = "sim"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.backend == "cuda" and self.mode != "full":
+            raise ConfigError("backend 'cuda' replays in full mode only")
         for name in ("device_blocks", "host_blocks", "storage_blocks", "limit",
                      "device_gb", "host_gb", "storage_gb"):
             v = getattr(self, name)
@@ -180,6 +187,12 @@ def run_replay(cfg: ReplayConfig,
     (fault injection); ``inspect`` sees the manager and runtime after the last
     one (invariant checks). Both are for tests and experiments.
     """
+    if cfg.backend == "cuda":
+        if configure_backend is not None:
+            raise ConfigError("configure_backend is for the simulated backend only")
+        from kernels.replay import run_gpu_replay
+
+        return run_gpu_replay(cfg, progress, inspect=inspect)
     t0 = time.perf_counter()
     setup = resolve(cfg)
     manager = make_manager(cfg, setup.capacities)
@@ -189,6 +202,12 @@ def run_replay(cfg: ReplayConfig,
             inspect(manager, None)
     else:
         body = run_sim(_replay_full(cfg, setup, manager, progress, configure_backend, inspect))
+    return assemble_report(cfg, setup, manager, body, t0)
+
+
+def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
+                    body: dict[str, Any], t0: float) -> dict[str, Any]:
+    """The report around a replay's body (shared by both worlds)."""
     report: dict[str, Any] = {
         "kvflow_report": REPORT_VERSION,
         "config": _config_dict(cfg, setup),
@@ -264,14 +283,15 @@ async def _replay_full(
     backend = SimBackend(loop.env, spec, Hierarchy.from_profile(setup.profile))  # type: ignore[attr-defined]
     if configure_backend is not None:
         configure_backend(backend)
-    runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
+    log = TransferLog(backend, loop, sim_service_s)
+    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     executor = SimExecutor(CostModel(spec, setup.profile), spec.num_layers)
     engine = Engine(manager, runtime, executor,
                     EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
     total = len(setup.requests)
     if progress is not None:
         engine.on_finish = lambda st: progress(len(engine.done), total)
-    sampler = _Sampler(engine, backend, executor, cfg.sample_interval_s)
+    sampler = _Sampler(engine, log, executor, cfg.sample_interval_s)
     start = loop.time()
     arrivals = [start + r.arrival_s for r in setup.requests]
     cursor = 0  # index of the next request to arrive
@@ -291,7 +311,7 @@ async def _replay_full(
     end = loop.time()
     if inspect is not None:
         inspect(manager, runtime)
-    return _full_report(setup, engine, runtime, backend, sampler, end - start)
+    return _full_report(setup, engine, runtime, log, sampler, end - start)
 
 
 class _Sampler:
@@ -299,7 +319,7 @@ class _Sampler:
 
     LINKS = ("h2d", "d2h", "storage_read", "storage_write")
 
-    def __init__(self, engine: Engine, backend: SimBackend, executor: SimExecutor,
+    def __init__(self, engine: Engine, backend: Any, executor: Any,
                  interval: float) -> None:
         self.engine, self.backend, self.executor = engine, backend, executor
         self.interval = interval
@@ -312,10 +332,25 @@ class _Sampler:
         self.next_sample = self._last_t + interval
 
     async def run(self) -> None:
+        """Sample every interval while the engine makes progress.
+
+        An interval in which the engine had work but took no step, with no
+        transfer in flight, is a stall and ends the sampling: a sampler that
+        kept ticking would keep the virtual clock running forever over it,
+        hiding the loop's deadlock report. (An engine idle between arrivals
+        is not stalled: the arrivals keep the clock going.)
+        """
+        engine = self.engine
+        last_steps = -1
         while True:
-            await asyncio.sleep(self.next_sample - self.engine.loop.time())
+            await asyncio.sleep(self.next_sample - engine.loop.time())
             self.sample()
             self.next_sample += self.interval
+            steps = engine.stats.steps
+            if (steps == last_steps and not engine.runtime.tasks
+                    and (engine.waiting or engine.running)):
+                return
+            last_steps = steps
 
     def sample(self) -> None:
         now = self.engine.loop.time()
@@ -341,8 +376,10 @@ def _summary(values: list[float]) -> dict[str, float] | None:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBackend,
+def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: Any,
                  sampler: _Sampler, sim_time: float) -> dict[str, Any]:
+    """The full-mode body; ``backend`` has ``metrics()`` (per-link ``busy_s``) and, for a
+    ``TransferLog``, ``summary()`` (per-transfer times)."""
     finished = [st for st in engine.done if st.finish_s is not None]
     ttft = [st.first_token_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
     e2e = [st.finish_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
@@ -376,6 +413,7 @@ def _full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: SimBac
                    "replans": engine.stats.replans},
         "engine": {"steps": engine.stats.steps,
                    "compute_busy_s": getattr(engine.executor, "busy_s", None)},
+        "transfers": backend.summary() if isinstance(backend, TransferLog) else None,
         "sim_time_s": sim_time,
         "timeseries": series,
         "samples": {"ttft_s": [round(x, 6) for x in ttft],
@@ -401,3 +439,103 @@ def _hit_series(finished: list[RequestState],
     return {f"hit_rate_{name}": [round(float(x), 6) if b else None
                                  for x, b in zip(rates[t], blocks, strict=True)]
             for t, name in enumerate(("device", "host", "storage"))}
+
+
+# -- per-transfer times (both worlds) -----------------------------------------------------------
+class _LoggedSink:
+    """Forwards a backend's reports to the runtime's sink; notes when the op ended."""
+
+    __slots__ = ("_log", "_rec", "_sink", "layer_done")
+
+    def __init__(self, log: TransferLog, rec: list[Any], sink: Any) -> None:
+        self._log, self._rec, self._sink = log, rec, sink
+        self.layer_done = sink.layer_done  # per layer: no extra frame
+
+    def done(self, error: BaseException | None = None) -> None:
+        self._log._done(self._rec, error)
+        self._sink.done(error)
+
+
+class TransferLog:
+    """A ``TransferBackend`` wrapper recording every op's kind, blocks and times.
+
+    Both worlds wrap their backend in one, so their reports measure transfers
+    the same way: ``latency`` from submit to the op's end in loop time
+    (queueing and dependencies included) and ``service`` from the op's first
+    layer starting on its link to its last layer landing, as the world's
+    ``service(handle, token)`` reports it (simulated: from the link model's
+    times; CUDA: from events around the op on its stream). ``begin(op)``, if
+    given, runs before each submit and returns that ``token``. Handles are the
+    inner backend's, so device-side waits (``wait_layer``) work unchanged.
+    """
+
+    def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop,
+                 service: Callable[[Any, Any], float | None],
+                 begin: Callable[[TransferOp], Any] | None = None) -> None:
+        self.backend = backend
+        self.num_layers = backend.num_layers
+        self._loop = loop
+        self._service = service
+        self._begin = begin
+        #: [kind, link, blocks, submit time, done time, ok, handle, token, service_s]
+        self.records: list[list[Any]] = []
+
+    def submit(self, op: TransferOp, sink: Any, after: Any = ()) -> Any:
+        token = self._begin(op) if self._begin is not None else None
+        rec = [op.kind.value, LINKS.get((op.src_tier, op.dst_tier), "?"), op.num_blocks,
+               self._loop.time(), None, False, None, token, None]
+        self.records.append(rec)
+        rec[6] = handle = self.backend.submit(op, _LoggedSink(self, rec, sink), after)
+        return handle
+
+    def cancel(self, handle: Any) -> None:
+        self.backend.cancel(handle)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+    def _done(self, rec: list[Any], error: BaseException | None) -> None:
+        rec[4] = self._loop.time()
+        rec[5] = error is None
+        if error is None:
+            rec[8] = self._service(rec[6], rec[7])
+        rec[6] = rec[7] = None  # let handles and events go
+
+    def metrics(self) -> dict[str, Any]:
+        """The inner backend's, or per-link ``busy_s`` summed from service times."""
+        inner = getattr(self.backend, "metrics", None)
+        if inner is not None:
+            return inner()
+        busy = dict.fromkeys(_Sampler.LINKS, 0.0)
+        for rec in self.records:
+            if rec[8] is not None and rec[1] in busy:
+                busy[rec[1]] += rec[8]
+        return {k: {"busy_s": v} for k, v in busy.items()}
+
+    def summary(self) -> dict[str, Any]:
+        """Per op kind: ops, blocks, mean/p50 service and latency, service per block."""
+        out: dict[str, Any] = {}
+        kinds = sorted({r[0] for r in self.records})
+        for kind in kinds:
+            done = [r for r in self.records if r[0] == kind and r[5] and r[8] is not None]
+            if not done:
+                continue
+            service = np.array([r[8] for r in done])
+            latency = np.array([r[4] - r[3] for r in done])
+            blocks = np.array([r[2] for r in done], dtype=float)
+            out[kind] = {
+                "ops": len(done), "blocks": int(blocks.sum()),
+                "service_mean_s": float(service.mean()),
+                "service_p50_s": float(np.percentile(service, 50)),
+                "service_per_block_s": float(service.sum() / max(blocks.sum(), 1.0)),
+                "latency_mean_s": float(latency.mean()),
+                "latency_p50_s": float(np.percentile(latency, 50)),
+            }
+        return out
+
+
+def sim_service_s(handle: Any, token: Any) -> float | None:
+    """A simulated op's service time: its first layer's start to its last layer's landing."""
+    if not handle.land_times or handle.finished_at is None:
+        return None
+    return float(handle.finished_at - handle.land_times[0] + handle.unit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from pathlib import Path
 
 import pytest
 from test_lru_oracle import oracle
@@ -20,6 +21,7 @@ from sim.replay import ReplayConfig, run_replay
 from traces import Request, sample_path, write_generic
 
 SAMPLE = str(sample_path("conversation_1k.jsonl"))
+SHARED_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
 
 
 def check_drained(manager: CacheManager, runtime: Runtime | None) -> None:
@@ -208,3 +210,17 @@ def test_requests_too_big_for_the_device_are_rejected_not_hung():
                                 storage_blocks=0))
     assert r["rejected"] > 0 and r["requests"] + r["rejected"] == 40
     assert math.isfinite(r["sim_time_s"])
+
+
+def test_waiting_reservations_never_deadlock_the_queue():
+    # A real stall, seen on the first 1,500 requests of the conversation trace:
+    # waiting requests' prefetch reservations held host blocks, backups were
+    # skipped for lack of host room, and device parents of held host children
+    # became undroppable (prefix closure) until the head of the queue could
+    # never fit with nothing running. The sampler's timer then kept virtual
+    # time running forever instead of letting the loop report the deadlock.
+    path = SHARED_TRACE
+    if not path.exists():
+        pytest.skip(f"shared trace not found at {path}")
+    r = run_replay(ReplayConfig(trace=str(path), limit=1500), inspect=check_drained)
+    assert r["requests"] + r["rejected"] == 1500
