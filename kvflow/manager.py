@@ -402,27 +402,37 @@ class CacheManager:
                 ):
                     break
                 freed_ids.append(drop(node, tier))
+        # Copies down get their lower blocks from one allocation after the
+        # victims are chosen (one op, not one per block); until then a FILLING
+        # placeholder keeps each copied node indexed.
+        budget = self._room(lower) if copy_out else 0  # type: ignore[arg-type]
         while len(freed_ids) < count:
             progress = False
-            copy_down = copy_out and self._room(lower) > 0  # type: ignore[arg-type]
-            for node in index.victims(tier, copy_down):
+            for node in index.victims(tier, copy_down=len(copies) < budget):
                 other = has_other_copy(node, tier)
-                lid = None
-                if not other and copy_down:
-                    got = self._make_room(lower, 1, ops, partial=True)  # type: ignore[arg-type]
-                    lid = got[0] if got else None
-                if lid is not None:
-                    index.set_copy(node, lower, lid, FILLING)  # type: ignore[arg-type]
+                if not other and len(copies) < budget:
+                    node.state[lower] = FILLING  # type: ignore[index]
                     copies.append(node)
                     src_ids.append(node.loc[tier])
                 elif node.children and not other:
-                    continue  # lower tier full after all: an inner node must stay
+                    continue  # no room below after all: an inner node must stay
                 freed_ids.append(index.drop_copy(node, tier))
                 progress = True
                 if len(freed_ids) >= count:
                     break
             if not progress:
                 break
+        if copies:
+            lids = self._make_room(lower, len(copies), ops, partial=True)  # type: ignore[arg-type]
+            # Fewer lower blocks than the room promised (closure pins some):
+            # those victims stay where they were.
+            for node, src in zip(copies[len(lids):], src_ids[len(lids):], strict=True):
+                node.state[lower] = ABSENT  # type: ignore[index]
+                freed_ids.remove(src)
+                index.set_copy(node, tier, src, READY)
+            del copies[len(lids):], src_ids[len(lids):]
+            for node, lid in zip(copies, lids, strict=True):
+                node.loc[lower] = lid  # type: ignore[index]
         pool.free(freed_ids)
         freed = len(freed_ids)
         self.stats.evictions[tier] += freed
