@@ -172,10 +172,6 @@ class CacheManager:
         """Nodes of the longest cached prefix of ``keys`` (any tier); changes nothing."""
         return self.index.match(keys)
 
-    def cached_tiers(self, keys: Sequence[Hashable]) -> list[int]:
-        """For each block of the cached prefix, the fastest tier holding it."""
-        return [n.best_tier() for n in self.index.match(keys)]
-
     # ------------------------------------------------------------------- plan
     def prefetch(self, keys: Sequence[Hashable], blocks_per_op: int = 4) -> Reservation:
         """Start bringing a waiting request's storage hits up to host.
@@ -278,8 +274,10 @@ class CacheManager:
         direct: list[Node] = []
         device_ids = plan.device_ids
         shared = plan.shared
+        now = self.stats.plans + 1
         for n, t in zip(matched, tiers, strict=True):
             n.hits += 1
+            n.last_access = now
             if t == Tier.DEVICE:
                 device_ids.append(n.loc[0])
                 op = n.inflight[0]
@@ -326,6 +324,7 @@ class CacheManager:
                 continue
             node = Node(key, parent, d, COMPUTING)
             node.ref = 1
+            node.last_access = now
             if parent is not None:
                 parent.children += 1
             nodes[key] = node

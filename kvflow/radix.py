@@ -77,11 +77,7 @@ class Node:
         self.inflight: list[object | None] | tuple[None, None, None] = NO_INFLIGHT
         self.ref = 0
         self.hits = 0
-        self.last_access = 0
-
-    def matchable_on(self, tier: int) -> bool:
-        s = self.state[tier]
-        return s in (READY, FILLING)
+        self.last_access = 0  # the manager's plan count when a request last used it
 
     @property
     def matchable(self) -> bool:
