@@ -63,6 +63,10 @@ class StepBatch:
 
     prefill: list[tuple[int, int]] = field(default_factory=list)
     decode: list[int] = field(default_factory=list)
+    #: The request of each item: decodes first, then prefills, in the order of
+    #: ``decode`` and ``prefill``. An executor that computes real data (the GPU
+    #: one) reads block tables and tokens from these; the simulated one ignores them.
+    requests: list[RequestState] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -311,7 +315,8 @@ class Engine:
         """Timeout policy: hold the request back until its prefetch lands or the
         deadline passes; what has not landed by then is recomputed."""
         pending = [t.wait() for t in st.prefetch if not t.finished]
-        await asyncio.wait(pending, timeout=self.prefetch_policy.deadline_s(st.req.input_len))
+        if pending:  # all may have landed between admission and this task's first step
+            await asyncio.wait(pending, timeout=self.prefetch_policy.deadline_s(st.req.input_len))
         for t in st.prefetch:
             if not t.finished:
                 t.cancel("prefetch deadline")
@@ -350,6 +355,7 @@ class Engine:
             batch.prefill.append((n, context))
             members.append((st, n))
             budget -= n
+        batch.requests = [st for st, _ in members]
         return batch, members, waits
 
     def _replan_if_lost(self, st: RequestState) -> bool:

@@ -20,6 +20,7 @@ vector loads on every block.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -175,11 +176,44 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def preset(name: str, **changes: object) -> ModelSpec:
-    """A preset by name, optionally with fields changed (e.g. ``block_tokens=512``)."""
+    """A preset by name, optionally with fields changed (e.g. ``block_tokens=512``).
+
+    ``NAME-lN`` is preset NAME cut to its first N layers (``layer_slice``): a
+    model small enough to replay on one GPU with the per-layer shapes intact.
+    """
+    match = _SLICE.fullmatch(name)
     try:
-        spec = PRESETS[name]
+        spec = PRESETS[match.group(1) if match else name]
     except KeyError:
         raise ConfigError(
-            f"unknown model {name!r}; presets: {', '.join(sorted(PRESETS))}"
+            f"unknown model {name!r}; presets: {', '.join(sorted(PRESETS))} "
+            "(NAME-lN: the first N layers of NAME)"
         ) from None
+    if match:
+        spec = layer_slice(spec, int(match.group(2)))
     return spec.replace(**changes) if changes else spec
+
+
+_SLICE = re.compile(r"(.+)-l(\d+)")
+
+
+def layer_slice(spec: ModelSpec, num_layers: int) -> ModelSpec:
+    """The first ``num_layers`` layers of an MHA/GQA model, named ``NAME-lN``.
+
+    ``active_params`` becomes exactly those layers' matmul weights (QKV, O,
+    gate+up, down), nothing else: the embeddings and LM head a full model's
+    count includes are not computed by a layer slice, and the cost model turns
+    ``active_params / num_layers`` into per-layer FLOPs.
+    """
+    if spec.attention != "mha" or not (spec.hidden_size and spec.num_attention_heads
+                                       and spec.intermediate_size):
+        raise ConfigError(f"model {spec.name!r}: layer slices need an MHA/GQA model with "
+                          "hidden_size, num_attention_heads and intermediate_size")
+    if not 1 <= num_layers <= spec.num_layers:
+        raise ConfigError(f"model {spec.name!r} has {spec.num_layers} layers, "
+                          f"cannot slice {num_layers}")
+    h, d = spec.hidden_size, spec.head_dim
+    per_layer = (h * (spec.num_attention_heads + 2 * spec.num_kv_heads) * d
+                 + spec.num_attention_heads * d * h + 3 * h * spec.intermediate_size)
+    return spec.replace(name=f"{spec.name}-l{num_layers}", num_layers=num_layers,
+                        active_params=float(per_layer * num_layers))
