@@ -1,0 +1,581 @@
+"""The GPU executor's model without the GPU: shapes, tokens, step metadata, a numpy reference.
+
+The real-data executor (``kernels.compute.GpuExecutor``) runs a transformer
+layer over paged KV: RMSNorm, a fused QKV projection, K/V written into each
+token's slot of the request's blocks, attention over the blocks read through
+the request's block table, an output projection and a gated MLP, each with a
+residual. Everything here is pure numpy and shared with it, so that what is
+not GPU code is tested on a CPU:
+
+* ``ModelShape`` — the widths a ``ModelSpec`` implies, with the kernels' limits;
+* ``prompt_tokens`` — token ids derived from block keys. Traces carry block
+  keys (Mooncake hash ids) and lengths, not always tokens; deriving a block's
+  tokens from its key makes "same key" mean "same content", which is what the
+  cache assumes, and makes wrong or stale KV give different numbers;
+* ``build_step`` / ``pack_step`` — one step's metadata (tokens, positions, KV
+  slots, attention work items, block tables, rows to emit), exactly what the
+  kernels read;
+* ``NumpyModel`` — the same math in float64 from that metadata: the reference
+  the GPU tests compare against, and (with ``NumpyBackend``/``NumpyExecutor``)
+  a CPU world with real data, to check the executor's bookkeeping end to end;
+* ``PagedExecutorBase`` — engine batch -> step items, outputs per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvflow.errors import ConfigError, TransferError
+from kvflow.layout import ModelSpec
+from kvflow.manager import TransferOp
+from kvflow.radix import Tier
+
+#: Query rows per prefill attention tile and keys per key tile (the kernels' mma M / K).
+TILE = 16
+#: Keys per decode attention split (flash-decoding); a multiple of ``TILE``.
+DECODE_SPLIT = 1024
+#: GEMM tile widths: N must be a multiple of 64 and K of 32.
+GEMM_N, GEMM_K = 64, 32
+#: Most query heads per KV head (one warp each in the prefill kernel's CTA).
+MAX_GROUP = 8
+HEAD_DIMS = (64, 128)
+_ALIGN = 16
+_M64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The widths of one layer, from a ``ModelSpec`` (MHA/GQA, 2-byte KV)."""
+
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    block_tokens: int
+
+    @classmethod
+    def from_spec(cls, spec: ModelSpec) -> ModelShape:
+        """Check that the kernels can run ``spec``; the error names what does not fit."""
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise ConfigError(f"model {spec.name!r}: the GPU executor needs {what}")
+
+        need(spec.attention == "mha", "attention='mha' (MHA or GQA)")
+        need(spec.dtype in ("bf16", "fp16"), "a 2-byte KV dtype (bf16)")
+        need(spec.hidden_size > 0 and spec.num_attention_heads > 0
+             and spec.intermediate_size > 0,
+             "hidden_size, num_attention_heads and intermediate_size")
+        need(spec.head_dim in HEAD_DIMS, f"head_dim in {HEAD_DIMS}, got {spec.head_dim}")
+        need(spec.num_attention_heads % spec.num_kv_heads == 0,
+             "num_attention_heads to be a multiple of num_kv_heads")
+        group = spec.num_attention_heads // spec.num_kv_heads
+        need(group <= MAX_GROUP, f"at most {MAX_GROUP} query heads per KV head, got {group}")
+        need(spec.hidden_size % GEMM_N == 0, f"hidden_size % {GEMM_N} == 0")
+        need(spec.intermediate_size % GEMM_N == 0, f"intermediate_size % {GEMM_N} == 0")
+        need(spec.block_tokens % TILE == 0, f"block_tokens % {TILE} == 0")
+        shape = cls(spec.num_layers, spec.hidden_size, spec.num_attention_heads,
+                    spec.num_kv_heads, spec.head_dim, spec.intermediate_size, spec.block_tokens)
+        roles = {r.name: r.bytes_per_block for r in spec.layout.roles}
+        need(set(roles) == {"k", "v"}, "K and V cache roles only")
+        need(roles["k"] == shape.block_stride * 2, "unpadded K/V blocks")
+        return shape
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.q_dim + 2 * self.kv_dim
+
+    @property
+    def block_stride(self) -> int:
+        """Elements of one block of one layer and role: [block_tokens, kv_heads, head_dim]."""
+        return self.block_tokens * self.kv_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def weight_shapes(self) -> dict[str, tuple[int, int]]:
+        """[N, K] of each weight of a layer (the GEMMs compute x . W^T)."""
+        return {"wqkv": (self.qkv_dim, self.hidden), "wo": (self.hidden, self.q_dim),
+                "wgu": (2 * self.intermediate, self.hidden),
+                "wd": (self.hidden, self.intermediate)}
+
+    @property
+    def params_per_layer(self) -> int:
+        return sum(n * k for n, k in self.weight_shapes().values())
+
+
+# ----------------------------------------------------------------------------- tokens
+def key_int(key: Hashable) -> int:
+    """A 64-bit integer for a block key, the same in every process."""
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+        return int(key) & _M64
+    if isinstance(key, (bytes, bytearray)):
+        return int.from_bytes(bytes(key[:8]).ljust(8, b"\0"), "little")
+    raw = repr(key).encode()
+    return zlib.crc32(raw) | (zlib.adler32(raw) << 32)
+
+
+def _mix(k: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """splitmix64 of (k, j) -> token ids in [0, 2^31)."""
+    with np.errstate(over="ignore"):
+        z = k * np.uint64(0x9E3779B97F4A7C15) + j + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(33)).astype(np.int32)
+
+
+def prompt_tokens(keys: Sequence[Hashable], request_id: Hashable, block_tokens: int,
+                  start: int, stop: int) -> np.ndarray:
+    """Token ids of prompt positions ``[start, stop)``: a function of the block's key.
+
+    Positions past the last key (a tail that hashing left without one) are a
+    function of the request instead: nobody else can match them anyway.
+    """
+    if stop <= start:
+        return np.zeros(0, dtype=np.int32)
+    pos = np.arange(start, stop, dtype=np.int64)
+    blocks = pos // block_tokens
+    b0, b1 = int(blocks[0]), int(blocks[-1])
+    ints = [key_int(keys[b]) if b < len(keys) else key_int(("tail", repr(request_id), b))
+            for b in range(b0, b1 + 1)]
+    k = np.array(ints, dtype=np.uint64)[blocks - b0]
+    return _mix(k, (pos % block_tokens).astype(np.uint64))
+
+
+def _hash32(x: np.ndarray) -> np.ndarray:
+    """lowbias32 on uint32 arrays (as the embedding kernel)."""
+    x = x.astype(np.uint32)
+    with np.errstate(over="ignore"):
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x7FEB352D)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x846CA68B)
+        x ^= x >> np.uint32(16)
+    return x
+
+
+def _unit(h: np.ndarray) -> np.ndarray:
+    return (h >> np.uint32(8)).astype(np.float32) * np.float32(1.0 / 8388608.0) - np.float32(1.0)
+
+
+def embed(tokens: np.ndarray, positions: np.ndarray, hidden: int) -> np.ndarray:
+    """The embedding kernel's values (float32, bit for bit): hashes of (token, d), (pos, d)."""
+    tok = tokens.astype(np.uint32)[:, None]
+    pos = positions.astype(np.uint32)[:, None]
+    d = np.arange(hidden, dtype=np.uint32)[None, :]
+    with np.errstate(over="ignore"):
+        a = _unit(_hash32(tok * np.uint32(0x9E3779B1) + d * np.uint32(0x85EBCA77)))
+        b = _unit(_hash32(((pos + np.uint32(0x632BE5AB)) * np.uint32(0xC2B2AE3D))
+                          ^ (d * np.uint32(0x27D4EB2F))))
+    return a + np.float32(0.25) * b
+
+
+# ------------------------------------------------------------------------ step metadata
+@dataclass(frozen=True)
+class StepItem:
+    """One request's part of a step.
+
+    ``tokens`` sit at positions ``pos0 ..``; ``table`` maps the request's
+    logical blocks to device blocks and must cover ``pos0 + len(tokens)``.
+    ``decode`` items are one token and go through split-K attention; ``emit``:
+    the last token's output is a sampled token (prefill completing, or decode).
+    """
+
+    request_id: Hashable
+    decode: bool
+    tokens: np.ndarray
+    pos0: int
+    table: np.ndarray
+    emit: bool
+
+
+@dataclass
+class StepPlan:
+    """Everything the kernels of one step read (see ``compute.cu``)."""
+
+    tokens: np.ndarray          # int32 [T]
+    positions: np.ndarray       # int32 [T]
+    slots: np.ndarray           # int64 [T]: element offset of the token's K (and V) in a layer
+    prefill_work: np.ndarray    # int32 [Wp, 4]: row0, rows, first position, table offset
+    decode_work: np.ndarray     # int32 [Wd, 5]: row, key begin, key end, table offset, partial
+    combine: np.ndarray         # int32 [Nd, 3]: row, first partial, splits
+    tables: np.ndarray          # int32: block tables, concatenated
+    emit_rows: np.ndarray       # int32 [E]
+    emit_ids: list[Hashable]
+    prefill_pairs: float = 0.0  # attention (query, key) pairs, for accounting
+    decode_keys: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_partials(self) -> int:
+        return len(self.decode_work)
+
+
+def build_step(items: Sequence[StepItem], shape: ModelShape,
+               decode_split: int = DECODE_SPLIT) -> StepPlan:
+    """Lay one step out for the kernels; raises ``ValueError`` on an inconsistent item."""
+    if decode_split <= 0 or decode_split % TILE:
+        raise ValueError(f"decode_split must be a positive multiple of {TILE}")
+    bt, kv_dim, stride = shape.block_tokens, shape.kv_dim, shape.block_stride
+    toks: list[np.ndarray] = []
+    poss: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    tabs: list[np.ndarray] = []
+    pwork: list[tuple[int, int, int, int]] = []
+    dwork: list[np.ndarray] = []
+    comb: list[tuple[int, int, int]] = []
+    emit_rows: list[int] = []
+    emit_ids: list[Hashable] = []
+    rows = toff = parts = 0
+    pairs = 0.0
+    dkeys = 0
+    for it in items:
+        n = len(it.tokens)
+        if n == 0:
+            continue
+        end = it.pos0 + n
+        need = -(-end // bt)
+        if it.pos0 < 0 or len(it.table) < need:
+            raise ValueError(f"request {it.request_id!r}: positions [{it.pos0}, {end}) need "
+                             f"{need} blocks, its table has {len(it.table)}")
+        tab = np.asarray(it.table[:need], dtype=np.int32)
+        pos = np.arange(it.pos0, end, dtype=np.int64)
+        slots.append(tab[pos // bt].astype(np.int64) * stride + (pos % bt) * kv_dim)
+        toks.append(np.asarray(it.tokens, dtype=np.int32))
+        poss.append(pos.astype(np.int32))
+        tabs.append(tab)
+        if it.decode:
+            if n != 1:
+                raise ValueError(f"request {it.request_id!r}: a decode item has one token")
+            starts = np.arange(0, end, decode_split, dtype=np.int32)
+            ns = len(starts)
+            w = np.empty((ns, 5), dtype=np.int32)
+            w[:, 0] = rows
+            w[:, 1] = starts
+            w[:, 2] = np.minimum(starts + decode_split, end)
+            w[:, 3] = toff
+            w[:, 4] = np.arange(parts, parts + ns, dtype=np.int32)
+            dwork.append(w)
+            comb.append((rows, parts, ns))
+            parts += ns
+            dkeys += end
+        else:
+            for q in range(0, n, TILE):
+                pwork.append((rows + q, min(TILE, n - q), it.pos0 + q, toff))
+            pairs += n * (it.pos0 + (n + 1) / 2)
+        if it.emit:
+            emit_rows.append(rows + n - 1)
+            emit_ids.append(it.request_id)
+        rows += n
+        toff += need
+
+    def cat(parts_: list[np.ndarray], dtype: type, width: int | None = None) -> np.ndarray:
+        if parts_:
+            return np.concatenate(parts_).astype(dtype, copy=False)
+        return np.zeros((0,) if width is None else (0, width), dtype=dtype)
+
+    return StepPlan(
+        tokens=cat(toks, np.int32), positions=cat(poss, np.int32), slots=cat(slots, np.int64),
+        prefill_work=np.array(pwork, dtype=np.int32).reshape(-1, 4),
+        decode_work=cat(dwork, np.int32, 5), combine=np.array(comb, dtype=np.int32).reshape(-1, 3),
+        tables=cat(tabs, np.int32), emit_rows=np.array(emit_rows, dtype=np.int32),
+        emit_ids=emit_ids, prefill_pairs=pairs, decode_keys=dkeys)
+
+
+#: The arrays of a ``StepPlan`` that travel to the GPU, in buffer order (int64 first).
+PACKED_FIELDS = ("slots", "tokens", "positions", "prefill_work", "decode_work", "combine",
+                 "tables", "emit_rows")
+
+
+def pack_step(plan: StepPlan, out: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, int]]:
+    """All of the step's arrays in one byte buffer (16-byte aligned pieces) and their offsets.
+
+    One host -> device copy per step instead of eight. ``out`` (uint8, large
+    enough: see ``packed_size``) is filled in place when given.
+    """
+    offsets: dict[str, int] = {}
+    at = 0
+    for name in PACKED_FIELDS:
+        offsets[name] = at
+        at += -(-getattr(plan, name).nbytes // _ALIGN) * _ALIGN
+    buf = np.zeros(max(at, _ALIGN), dtype=np.uint8) if out is None else out
+    if len(buf) < at:
+        raise ValueError(f"pack buffer holds {len(buf)} bytes, the step needs {at}")
+    for name in PACKED_FIELDS:
+        a = np.ascontiguousarray(getattr(plan, name))
+        buf[offsets[name]:offsets[name] + a.nbytes] = a.view(np.uint8).reshape(-1)
+    offsets["_size"] = at
+    return buf, offsets
+
+
+def packed_size(plan: StepPlan) -> int:
+    return sum(-(-getattr(plan, n).nbytes // _ALIGN) * _ALIGN for n in PACKED_FIELDS)
+
+
+# --------------------------------------------------------------------- numpy reference
+def _rms(h: np.ndarray) -> np.ndarray:
+    return h / np.sqrt(np.mean(h * h, axis=1, keepdims=True) + 1e-6)
+
+
+def random_weights(shape: ModelShape, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """float64 weights, N(0, 1/K), one dict per layer (the CPU world's; the GPU draws its own)."""
+    rng = np.random.default_rng(seed)
+    return [{name: rng.standard_normal((n, k)) / math.sqrt(k)
+             for name, (n, k) in shape.weight_shapes().items()}
+            for _ in range(shape.num_layers)]
+
+
+class NumpyModel:
+    """The kernels' math in float64, reading a ``StepPlan`` and flat per-layer KV arrays."""
+
+    def __init__(self, shape: ModelShape, weights: list[dict[str, np.ndarray]]) -> None:
+        if len(weights) != shape.num_layers:
+            raise ValueError(f"{len(weights)} layers of weights for {shape.num_layers} layers")
+        self.shape = shape
+        self.weights = weights
+
+    def forward(self, plan: StepPlan, kcache: Sequence[np.ndarray],
+                vcache: Sequence[np.ndarray]) -> np.ndarray:
+        """Run the step; writes K/V into the caches; returns the emitted rows' y (float64)."""
+        s = self.shape
+        T = plan.num_tokens
+        if T == 0:
+            return np.zeros((0, s.hidden))
+        h = embed(plan.tokens, plan.positions, s.hidden).astype(np.float64)
+        cols = np.arange(s.kv_dim)
+        kvidx = plan.slots[:, None] + cols[None, :]
+        for layer, w in enumerate(self.weights):
+            kc, vc = kcache[layer], vcache[layer]
+            qkv = _rms(h) @ w["wqkv"].T
+            kc[kvidx] = qkv[:, s.q_dim:s.q_dim + s.kv_dim]
+            vc[kvidx] = qkv[:, s.q_dim + s.kv_dim:]
+            o = np.zeros((T, s.q_dim))
+            self._prefill(plan, qkv, kc, vc, o)
+            self._decode(plan, qkv, kc, vc, o)
+            h = h + o @ w["wo"].T
+            gu = _rms(h) @ w["wgu"].T
+            g, u = gu[:, :s.intermediate], gu[:, s.intermediate:]
+            h = h + (g / (1.0 + np.exp(-g)) * u) @ w["wd"].T
+        return _rms(h[plan.emit_rows])
+
+    def _keys(self, plan: StepPlan, cache: np.ndarray, toff: int, k0: int, k1: int,
+              kvh: int) -> np.ndarray:
+        s = self.shape
+        kp = np.arange(k0, k1)
+        slot = plan.tables[toff + kp // s.block_tokens].astype(np.int64) * s.block_stride + (
+            kp % s.block_tokens) * s.kv_dim + kvh * s.head_dim
+        return cache[slot[:, None] + np.arange(s.head_dim)[None, :]]
+
+    def _prefill(self, plan: StepPlan, qkv: np.ndarray, kc: np.ndarray, vc: np.ndarray,
+                 o: np.ndarray) -> None:
+        s = self.shape
+        hd = s.head_dim
+        for row0, nrows, qpos0, toff in plan.prefill_work.tolist():
+            last = qpos0 + nrows - 1
+            mask = np.arange(last + 1)[None, :] > (qpos0 + np.arange(nrows))[:, None]
+            for kvh in range(s.kv_heads):
+                K = self._keys(plan, kc, toff, 0, last + 1, kvh)
+                V = self._keys(plan, vc, toff, 0, last + 1, kvh)
+                for h in range(kvh * s.group, (kvh + 1) * s.group):
+                    q = qkv[row0:row0 + nrows, h * hd:(h + 1) * hd]
+                    sc = np.where(mask, -np.inf, q @ K.T * s.softmax_scale)
+                    p = np.exp(sc - sc.max(axis=1, keepdims=True))
+                    o[row0:row0 + nrows, h * hd:(h + 1) * hd] = (p @ V) / p.sum(axis=1,
+                                                                               keepdims=True)
+
+    def _decode(self, plan: StepPlan, qkv: np.ndarray, kc: np.ndarray, vc: np.ndarray,
+                o: np.ndarray) -> None:
+        s = self.shape
+        hd = s.head_dim
+        if not len(plan.combine):
+            return
+        parts: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for row, k0, k1, toff, pidx in plan.decode_work.tolist():
+            q = qkv[row, :s.q_dim].reshape(s.heads, hd)
+            ms, ls, os_ = np.empty(s.heads), np.empty(s.heads), np.empty((s.heads, hd))
+            for kvh in range(s.kv_heads):
+                K = self._keys(plan, kc, toff, k0, k1, kvh)
+                V = self._keys(plan, vc, toff, k0, k1, kvh)
+                hs = slice(kvh * s.group, (kvh + 1) * s.group)
+                sc = q[hs] @ K.T * s.softmax_scale
+                m = sc.max(axis=1)
+                p = np.exp(sc - m[:, None])
+                ms[hs], ls[hs], os_[hs] = m, p.sum(axis=1), p @ V
+            parts[pidx] = (ms, ls, os_)
+        for row, p0, ns in plan.combine.tolist():
+            ms = np.stack([parts[p0 + i][0] for i in range(ns)])
+            ls = np.stack([parts[p0 + i][1] for i in range(ns)])
+            os_ = np.stack([parts[p0 + i][2] for i in range(ns)])
+            w = np.exp(ms - ms.max(axis=0, keepdims=True))
+            num = (w[:, :, None] * os_).sum(axis=0)
+            o[row] = (num / (w * ls).sum(axis=0)[:, None]).reshape(-1)
+
+
+# ---------------------------------------------------------------- executor bookkeeping
+class PagedExecutorBase:
+    """What the real-data executors share: an engine batch as step items, outputs per request.
+
+    ``outputs[request_id]`` lists ``(token, checksum)`` per sampled token, in
+    order: the first from the step completing the prompt, then one per decode
+    step. The next decode step feeds the last token back in.
+    """
+
+    def __init__(self, shape: ModelShape, decode_split: int = DECODE_SPLIT) -> None:
+        self.shape = shape
+        self.decode_split = decode_split
+        self.outputs: dict[Hashable, list[tuple[int, int]]] = {}
+        self._last: dict[Hashable, int] = {}
+        self._tables: dict[int, tuple[Any, np.ndarray]] = {}
+
+    def items_for(self, batch: Any) -> list[StepItem]:
+        """Step items of an engine ``StepBatch`` (needs its ``requests``)."""
+        reqs = getattr(batch, "requests", None)
+        nd = len(batch.decode)
+        if reqs is None or len(reqs) != nd + len(batch.prefill):
+            raise ConfigError("this executor computes real data and needs StepBatch.requests "
+                              "(the request of each decode and prefill item)")
+        bt = self.shape.block_tokens
+        items: list[StepItem] = []
+        for st, ctx in zip(reqs[:nd], batch.decode, strict=True):
+            rid = st.req.request_id
+            tok = self._last.get(rid)
+            if tok is None:
+                raise RuntimeError(f"request {rid!r} decodes before its first token")
+            items.append(StepItem(rid, True, np.array([tok], dtype=np.int32), ctx - 1,
+                                  self._table(st), True))
+        for st, (n, ctx) in zip(reqs[nd:], batch.prefill, strict=True):
+            req = st.req
+            ctx = max(ctx, 0)
+            items.append(StepItem(req.request_id, False,
+                                  prompt_tokens(req.keys, req.request_id, bt, ctx, ctx + n),
+                                  ctx, self._table(st), ctx + n >= req.input_len))
+        return items
+
+    def _table(self, st: Any) -> np.ndarray:
+        plan = st.plan
+        hit = self._tables.get(id(plan))
+        if hit is not None and hit[0] is plan:
+            return hit[1]
+        if len(self._tables) > 4096:
+            self._tables = {k: v for k, v in self._tables.items() if not v[0].finished}
+        arr = np.asarray(plan.device_ids + plan.extra_ids, dtype=np.int32)
+        self._tables[id(plan)] = (plan, arr)
+        return arr
+
+    def record(self, ids: Sequence[Hashable], tokens: Sequence[int],
+               sums: Sequence[int]) -> None:
+        for rid, tok, s in zip(ids, tokens, sums, strict=True):
+            self.outputs.setdefault(rid, []).append((int(tok), int(s)))
+            self._last[rid] = int(tok)
+
+
+# --------------------------------------------------------------------- the CPU world
+class NumpyBackend:
+    """A ``TransferBackend`` over numpy KV pools: copies at submit, reports on the next tick.
+
+    Device and host pools are flat float64 arrays per layer and role (``[k, v]``),
+    ``block_stride`` elements a block. ``fail(op)`` true: the op writes garbage
+    into its destination and fails (a failed load must never be read as data).
+    """
+
+    def __init__(self, shape: ModelShape, device_blocks: int, host_blocks: int,
+                 fail: Callable[[TransferOp], bool] | None = None) -> None:
+        self.shape = shape
+        self.num_layers = shape.num_layers
+        n = shape.block_stride
+        self.pools = {
+            Tier.DEVICE: [[np.full(device_blocks * n, np.nan) for _ in range(2)]
+                          for _ in range(shape.num_layers)],
+            Tier.HOST: [[np.full(max(host_blocks, 1) * n, np.nan) for _ in range(2)]
+                        for _ in range(shape.num_layers)],
+        }
+        self.fail = fail
+        self.ops = 0
+
+    @property
+    def kcache(self) -> list[np.ndarray]:
+        return [lay[0] for lay in self.pools[Tier.DEVICE]]
+
+    @property
+    def vcache(self) -> list[np.ndarray]:
+        return [lay[1] for lay in self.pools[Tier.DEVICE]]
+
+    def submit(self, op: TransferOp, sink: Any, after: Sequence[object] = ()) -> object:
+        src, dst = self.pools[Tier(op.src_tier)], self.pools[Tier(op.dst_tier)]
+        n = self.shape.block_stride
+        bad = self.fail is not None and self.fail(op)
+        for layer in range(self.num_layers):
+            for role in range(2):
+                s, d = src[layer][role], dst[layer][role]
+                for a, b in zip(op.src_ids, op.dst_ids, strict=True):
+                    d[b * n:(b + 1) * n] = 1e30 if bad else s[a * n:(a + 1) * n]
+        self.ops += 1
+        handle = {"cancelled": False}
+
+        def report() -> None:
+            if bad or handle["cancelled"]:
+                sink.done(TransferError(f"op {op.op_id} failed (injected)"))
+                return
+            for layer in range(self.num_layers):
+                sink.layer_done(layer)
+            sink.done(None)
+
+        asyncio.get_running_loop().call_soon(report)
+        return handle
+
+    def cancel(self, handle: object) -> None:
+        handle["cancelled"] = True  # type: ignore[index]
+
+
+class NumpyExecutor(PagedExecutorBase):
+    """``ComputeExecutor`` of the CPU world: the float64 model on a ``NumpyBackend``'s pools.
+
+    ``rows[request_id]`` keeps each sampled token's output row (float64); the
+    checksum in ``outputs`` is 0 (float64 rows are compared with a tolerance).
+    """
+
+    def __init__(self, backend: NumpyBackend, weights: list[dict[str, np.ndarray]],
+                 decode_split: int = DECODE_SPLIT) -> None:
+        super().__init__(backend.shape, decode_split)
+        self.backend = backend
+        self.model = NumpyModel(backend.shape, weights)
+        self.rows: dict[Hashable, list[np.ndarray]] = {}
+        self.steps = 0
+
+    async def run_step(self, batch: Any, waits: Sequence[Any]) -> None:
+        for t in waits:
+            await t.wait()  # raises TransferError if a load failed
+        plan = build_step(self.items_for(batch), self.shape, self.decode_split)
+        y = self.model.forward(plan, self.backend.kcache, self.backend.vcache)
+        self.steps += 1
+        if not np.isfinite(y).all():
+            raise AssertionError("non-finite output: garbage KV was read")
+        tokens = np.argmax(y, axis=1) if len(y) else np.zeros(0, dtype=np.int64)
+        for rid, row in zip(plan.emit_ids, y, strict=True):
+            self.rows.setdefault(rid, []).append(row)
+        self.record(plan.emit_ids, tokens.tolist(), [0] * len(tokens))
