@@ -34,6 +34,11 @@ class Mode(str, Enum):
     cache = "cache"
 
 
+class Backend(str, Enum):
+    sim = "sim"
+    cuda = "cuda"
+
+
 def _fmt_s(summary: dict[str, float] | None, key: str) -> str:
     if not summary:
         return "-"
@@ -56,8 +61,9 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
     t.add_row("total", "", f"{report['hit_rate']['total']:.1%}", "", style="bold")
     console.print(t)
     if report.get("ttft_s"):
+        world = "on the GPU" if cfg.get("backend") == "cuda" else "simulated"
         lat = Table(title=f"{report['requests']:,} requests in {report['sim_time_s']:.1f} s "
-                          f"simulated ({report['wall_s']:.1f} s wall)")
+                          f"{world} ({report['wall_s']:.1f} s wall)")
         lat.add_column("latency")
         for k in ("mean", "p50", "p90", "p99"):
             lat.add_column(k, justify="right")
@@ -119,11 +125,14 @@ def replay(
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     max_batch_tokens: Annotated[int, typer.Option(help="Token budget per engine step.")] = 8192,
     skip_bad: Annotated[bool, typer.Option(help="Skip malformed trace lines.")] = False,
+    backend: Annotated[Backend, typer.Option(
+        help="sim: the simulated hierarchy; cuda: the engine on this machine's GPU "
+             "(real kernels, wall-clock time; no storage tier).")] = Backend.sim,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
-    """Replay a request trace through kvflow on the simulated memory hierarchy."""
+    """Replay a request trace through kvflow on the simulated memory hierarchy (or a GPU)."""
     from sim.replay import ReplayConfig, run_replay
 
     if out is not None and out.exists() and not force:
@@ -137,7 +146,7 @@ def replay(
             storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
             write_threshold=write_threshold, prefetch_policy=prefetch_policy,
             mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
-            skip_bad=skip_bad)
+            skip_bad=skip_bad, backend=backend.value)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
                       transient=True) as bar:
@@ -158,6 +167,48 @@ def replay(
         print_summary(report, console)
         if out is not None:
             console.print(f"report written to {out}")
+
+
+@app.command(cls=OneLineCommand, epilog=(
+    "Example:\n\n"
+    "  kvflow calibrate --out sim/profiles/h100-calibrated.toml\n\n"
+    "  kvflow replay TRACE --model llama-3-8b-l4 --profile sim/profiles/h100-calibrated.toml"))
+def calibrate(
+    out: Annotated[Path, typer.Option(help="Profile TOML to write.")] =
+    Path("gpu-calibrated.toml"),
+    model: Annotated[str, typer.Option(
+        help="Model whose compute and blocks are measured (the one you will replay).")] =
+    "llama-3-8b-l4",
+    block_tokens: Annotated[int, typer.Option(help="Tokens per KV block.")] = 512,
+    base: Annotated[str, typer.Option(help="Preset the profile overrides.")] = "h100",
+    name: Annotated[str | None, typer.Option(help="Profile name (default BASE-calibrated).")]
+    = None,
+    json_out: Annotated[Path | None, typer.Option(
+        "--json", help="Also write every measurement here.")] = None,
+    quick: Annotated[bool, typer.Option(help="Fewer repetitions and sizes.")] = False,
+    stream_priority: Annotated[int | None, typer.Option(
+        help="CUDA priority of the copy streams (as the replay will run them).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
+) -> None:
+    """Measure this GPU (links, swap kernels, compute); write a profile for `replay --profile`."""
+    import sys
+
+    from kernels.calibrate import calibrate as run_calibration
+    from kernels.calibrate import profile_comments, write_profile
+
+    if out.exists() and not force:
+        fail(f"{out} exists; pass --force to overwrite")
+    with user_errors(KvflowError):
+        cal = run_calibration(model=model, block_tokens=block_tokens, base=base, name=name,
+                              quick=quick, stream_priority=stream_priority,
+                              log=lambda m: typer.echo(m, err=True))
+        command = "kvflow calibrate " + " ".join(sys.argv[2:])
+        write_profile(out, cal.profile, profile_comments(cal, command))
+    if json_out is not None:
+        json_out.write_text(json.dumps(cal.to_json(), indent=1, default=float))
+    typer.echo(f"profile written to {out} (mfu {cal.fit['mfu']:.4f}, mbu {cal.fit['mbu']:.4f}, "
+               f"h2d {cal.profile['h2d']['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+               f"{cal.seconds:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -95,6 +95,20 @@ def _host_callback(arg: tuple[CudaTask, int, int]) -> None:
         task.loop.call_soon_threadsafe(task._on_layers, first, count)
 
 
+def _stream(cp: object, priority: int | None) -> object:
+    """A non-blocking stream, with a CUDA priority where one is asked for and CuPy can."""
+    if priority is None:
+        return cp.cuda.Stream(non_blocking=True)
+    try:
+        return cp.cuda.Stream(non_blocking=True, priority=priority)
+    except TypeError:  # an older CuPy: create it through the runtime
+        ptr = cp.cuda.runtime.streamCreateWithPriority(cp.cuda.runtime.streamNonBlocking,
+                                                       priority)
+        stream = cp.cuda.ExternalStream(ptr)
+        stream._kvflow_owned = ptr  # (never destroyed: lives as long as the backend)
+        return stream
+
+
 class FutureSink:
     """A ``LayerSink`` holding one asyncio future per layer and one for the whole op.
 
@@ -135,7 +149,8 @@ class CudaBackend:
     and a run of blocks moves through all layers in one 2-D memcpy.
 
     ``load_ctas``/``store_ctas``: CTAs per launch each way (few: compute keeps
-    the GPU). ``layers_per_launch`` > 1 trades per-layer granularity for less
+    the GPU). ``stream_priority``: CUDA priority of the two copy streams (None:
+    the default, lowest). ``layers_per_launch`` > 1 trades per-layer granularity for less
     host time: one launch and one host callback per group of layers (each
     layer still gets its own event, recorded when its group lands).
     """
@@ -153,6 +168,7 @@ class CudaBackend:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         device: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        stream_priority: int | None = None,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -180,8 +196,10 @@ class CudaBackend:
                               for b in self.role_bytes]
             self._host = [np.ndarray((L, num_host_blocks, b), dtype=np.uint8, buffer=m)
                           for m, b in zip(self._host_mem, self.role_bytes, strict=True)]
-            self.load_stream = cp.cuda.Stream(non_blocking=True)
-            self.store_stream = cp.cuda.Stream(non_blocking=True)
+            # stream_priority (CUDA: lower is higher): the block scheduler places a
+            # higher-priority stream's CTAs first, so copies get SMs while compute runs.
+            self.load_stream = _stream(cp, stream_priority)
+            self.store_stream = _stream(cp, stream_priority)
             # Host functions block their stream until Python (the GIL) runs them, so
             # they go on side streams that wait on the layer events: copies never stall.
             self._load_notify = cp.cuda.Stream(non_blocking=True)

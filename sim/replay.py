@@ -465,18 +465,21 @@ class TransferLog:
     layer starting on its link to its last layer landing, as the world's
     ``service(handle, token)`` reports it (simulated: from the link model's
     times; CUDA: from events around the op on its stream). ``begin(op)``, if
-    given, runs before each submit and returns that ``token``. Handles are the
-    inner backend's, so device-side waits (``wait_layer``) work unchanged.
+    given, runs before each submit and returns that ``token``; ``end(token)``
+    right after it. Handles are the inner backend's, so device-side waits
+    (``wait_layer``) work unchanged.
     """
 
     def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop,
                  service: Callable[[Any, Any], float | None],
-                 begin: Callable[[TransferOp], Any] | None = None) -> None:
+                 begin: Callable[[TransferOp], Any] | None = None,
+                 end: Callable[[Any], None] | None = None) -> None:
         self.backend = backend
         self.num_layers = backend.num_layers
         self._loop = loop
         self._service = service
         self._begin = begin
+        self._end = end
         #: [kind, link, blocks, submit time, done time, ok, handle, token, service_s]
         self.records: list[list[Any]] = []
 
@@ -486,6 +489,8 @@ class TransferLog:
                self._loop.time(), None, False, None, token, None]
         self.records.append(rec)
         rec[6] = handle = self.backend.submit(op, _LoggedSink(self, rec, sink), after)
+        if self._end is not None:
+            self._end(token)
         return handle
 
     def cancel(self, handle: Any) -> None:

@@ -1,0 +1,605 @@
+"""``kvflow calibrate``: measure this GPU and write a profile the simulator reads.
+
+What the simulator needs to predict the GPU world is what the GPU world runs,
+so each number is measured on the code a GPU replay uses:
+
+* **links** — ``CudaBackend`` ops of k scattered blocks of the model, each way,
+  timed with CUDA events on their stream; the simulator's per-layer unit
+  (``latency_s + bytes / bandwidth_Bps``, ``sim.hierarchy.Link``) is fitted to
+  them by least squares. Both ways at once too (recorded; the profile keeps
+  the one-way fit, which is what a replay mostly sees). The raw ceilings (one
+  contiguous ``cudaMemcpyAsync``) and per-op latency (4 KB copies) are recorded
+  alongside;
+* **swap kernels** — ``BlockCopier`` bandwidth by block size and CTA count;
+* **compute** — the executor's GEMM by size, cuBLAS fp16 for reference, HBM
+  copy bandwidth, attention throughput; then ``GpuExecutor`` steps over a grid
+  of prefill and decode batches (GPU time by events), to which the cost model's
+  roofline (``sim.cost.CostModel``: per layer ``max(FLOPs / (peak * mfu),
+  bytes / (hbm * mbu))``) is fitted: ``mfu`` and ``mbu`` are what make it match;
+* **step overhead** — a small engine run: wall time minus GPU time, per step.
+
+``write_profile`` renders the TOML (``sim.cost.load_profile`` keys, measured
+values in comments) and checks that it loads. The fitting and rendering are
+pure functions, tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kernels._cuda import cupy_module, gpu_unavailable_reason
+from kernels.testing import spin
+from kvflow.errors import ConfigError
+from kvflow.layout import ModelSpec, preset
+from kvflow.manager import OpKind, TransferOp
+from kvflow.radix import Tier
+
+Log = Callable[[str], None]
+_H2D, _D2H = 1, 2
+
+
+# ----------------------------------------------------------------------- pure fitting
+def fit_link(points: Sequence[tuple[float, float]], units: int) -> tuple[float, float]:
+    """(latency_s, bandwidth_Bps) of the link model from (bytes per op, seconds per op).
+
+    An op is ``units`` per-layer units on the link, each ``latency + bytes / bw``:
+    ``t = units * latency + bytes / bw``. Least squares on (1, bytes); a negative
+    latency (noise on fast links) is clamped to 0 and the bandwidth refitted.
+    """
+    x = np.array([p[0] for p in points], dtype=float)
+    y = np.array([p[1] for p in points], dtype=float)
+    if len(x) < 2 or np.ptp(x) == 0:
+        raise ValueError("fit_link needs ops of at least two sizes")
+    a = np.vstack([np.full_like(x, units), x]).T
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
+    if lat < 0 or inv_bw <= 0:
+        lat = 0.0
+        inv_bw = float(np.dot(x, y) / np.dot(x, x))
+    return float(lat), float(1.0 / inv_bw)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPoint:
+    """One measured step: its per-layer FLOPs and bytes (cost model terms) and GPU time."""
+
+    label: str
+    flops: float       # per layer
+    nbytes: float      # per layer
+    seconds: float     # whole step, GPU time
+
+
+def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
+               decode: Sequence[int]) -> tuple[float, float]:
+    """Per-layer FLOPs and bytes of a batch, exactly as ``sim.cost.CostModel.layer_time``."""
+    from sim.cost import PROFILES, CostModel
+
+    cm = CostModel(spec, PROFILES["h100"])
+    tokens = len(decode)
+    pairs = float(sum(decode))
+    kv = pairs
+    for new, ctx in prefill:
+        tokens += new
+        pairs += new * (ctx + new * 0.5)
+        kv += ctx + new
+    flops = cm.weight_flops_per_token * tokens + cm.attention_flops_per_pair * pairs
+    return flops, cm.weight_bytes + cm.kv_bytes_per_token * kv
+
+
+def roofline(point: StepPoint, layers: int, peak: float, hbm: float, mfu: float,
+             mbu: float) -> float:
+    return layers * max(point.flops / (peak * mfu), point.nbytes / (hbm * mbu))
+
+
+def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float,
+                 hbm: float) -> tuple[float, float, float]:
+    """(mfu, mbu, rms log error) minimising the squared log error of the roofline.
+
+    A grid over (0, 1] on a log scale, then a finer one around the best: the
+    objective is piecewise (which term wins), so a grid is robust where a
+    gradient is not.
+    """
+    if not points:
+        raise ValueError("fit_roofline needs measured steps")
+    meas = np.log([p.seconds for p in points])
+
+    def err(mfu: float, mbu: float) -> float:
+        pred = np.log([roofline(p, layers, peak, hbm, mfu, mbu) for p in points])
+        return float(np.mean((pred - meas) ** 2))
+
+    grid = np.geomspace(0.005, 1.0, 120)
+    best = min(((err(a, b), a, b) for a in grid for b in grid), key=lambda t: t[0])
+    _, a0, b0 = best
+    fine_a = np.clip(np.geomspace(a0 / 1.06, a0 * 1.06, 25), 1e-4, 1.0)
+    fine_b = np.clip(np.geomspace(b0 / 1.06, b0 * 1.06, 25), 1e-4, 1.0)
+    e, a, b = min(((err(x, y), x, y) for x in fine_a for y in fine_b), key=lambda t: t[0])
+    return float(a), float(b), math.sqrt(e)
+
+
+def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
+    """TOML text for ``sim.cost.load_profile``: top-level numbers, then link tables."""
+    lines = [f"# {c}" if c else "#" for c in comments]
+    lines.append("")
+    links = ("h2d", "d2h", "storage_read", "storage_write")
+    for k, v in values.items():
+        if k in links:
+            continue
+        lines.append(f"{k} = {_toml_value(v)}")
+    for k in links:
+        if k in values:
+            lines.append("")
+            lines.append(f"[{k}]")
+            for kk, vv in values[k].items():
+                lines.append(f"{kk} = {_toml_value(vv)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, int):
+        return str(v)
+    return f"{float(v):.6g}" if abs(v) >= 1e-3 or v == 0 else f"{float(v):.6e}"
+
+
+def write_profile(path: str | Path, values: dict[str, Any], comments: Sequence[str]) -> Any:
+    """Write the profile and load it back (``ConfigError`` names a bad key); returns it."""
+    from sim.cost import load_profile
+
+    path = Path(path)
+    path.write_text(render_profile(values, comments))
+    return load_profile(str(path))
+
+
+# ---------------------------------------------------------------------- measurements
+def _gpu_seconds(cp: Any, stream: Any, enqueue: Callable[[], None], reps: int,
+                 stat: Callable[[list[float]], float] = statistics.median) -> float:
+    times = []
+    for _ in range(reps + 1):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record(stream)
+        enqueue()
+        b.record(stream)
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b) / 1e3)
+    return stat(times[1:])
+
+
+def measure_raw_link(log: Log, nbytes: int = 256 << 20, reps: int = 5) -> dict[str, Any]:
+    """Contiguous ceilings each way and both ways, and per-op time of 4 KB copies."""
+    cp = cupy_module()
+    rt = cp.cuda.runtime
+    dev = cp.empty(2 * nbytes, dtype=cp.uint8)
+    host = cp.cuda.alloc_pinned_memory(2 * nbytes)
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    d0, h0 = int(dev.data.ptr), int(host.ptr)
+    out: dict[str, Any] = {}
+    out["h2d_Bps"] = nbytes / _gpu_seconds(
+        cp, s1, lambda: rt.memcpyAsync(d0, h0, nbytes, _H2D, s1.ptr), reps, min)
+    out["d2h_Bps"] = nbytes / _gpu_seconds(
+        cp, s1, lambda: rt.memcpyAsync(h0, d0, nbytes, _D2H, s1.ptr), reps, min)
+
+    def both() -> None:
+        ev = cp.cuda.Event()
+        ev.record(s1)
+        s2.wait_event(ev)
+        rt.memcpyAsync(d0, h0, nbytes, _H2D, s1.ptr)
+        rt.memcpyAsync(h0 + nbytes, d0 + nbytes, nbytes, _D2H, s2.ptr)
+        ev2 = cp.cuda.Event()
+        ev2.record(s2)
+        s1.wait_event(ev2)
+
+    out["both_Bps"] = 2 * nbytes / _gpu_seconds(cp, s1, both, reps, min)
+    n = 200
+    for name, kind, (dst, src) in (("h2d", _H2D, (d0, h0)), ("d2h", _D2H, (h0, d0))):
+        def small(kind: int = kind, dst: int = dst, src: int = src) -> None:
+            spin(s1, 0.01)  # queued behind a spin: the GPU, not Python's call rate, is timed
+            for i in range(n):
+                rt.memcpyAsync(dst + i * 4096, src + i * 4096, 4096, kind, s1.ptr)
+
+        t = _gpu_seconds(cp, s1, small, reps) - 0.01
+        out[f"{name}_op_4k_s"] = max(t, 0.0) / n
+    log(f"raw link: h2d {out['h2d_Bps'] / 1e9:.1f} GB/s, d2h {out['d2h_Bps'] / 1e9:.1f}, both "
+        f"{out['both_Bps'] / 1e9:.1f}; 4 KB copy {out['h2d_op_4k_s'] * 1e6:.2f} / "
+        f"{out['d2h_op_4k_s'] * 1e6:.2f} us")
+    del dev, host
+    return out
+
+
+async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], list[int]]],
+                       ) -> list[float]:
+    """Submit ops at once (each on its own stream), return each one's event-timed seconds."""
+    from kernels.backend import FutureSink
+
+    cp = cupy_module()
+    recs = []
+    for i, (src, dst, s, d) in enumerate(pairs):
+        stream = backend.load_stream if dst == Tier.DEVICE else backend.store_stream
+        a = cp.cuda.Event()
+        a.record(stream)
+        sink = FutureSink(backend.num_layers)
+        backend.submit(TransferOp(10_000 + i, OpKind.EVICT, src, dst, s, d, []), sink)
+        b = cp.cuda.Event()
+        b.record(stream)
+        recs.append((a, b, sink))
+    for _, _, sink in recs:
+        await sink.wait()
+    return [cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b, _ in recs]
+
+
+async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
+                                sizes: Sequence[int] = (1, 2, 4, 8, 16),
+                                stream_priority: int | None = None) -> dict[str, Any]:
+    """CudaBackend ops of k scattered blocks each way (and both at once); fitted link models."""
+    from kernels.backend import CudaBackend
+
+    n = 2 * max(sizes) + 2
+    backend = CudaBackend(spec, n, n, stream_priority=stream_priority)
+    for layer in range(spec.num_layers):  # real bytes, not zeros
+        for role in ("k", "v"):
+            kv = backend.device_kv(layer, role)
+            kv[...] = cupy_module().random.randint(0, 255, kv.shape, dtype=np.uint8)
+    cupy_module().cuda.runtime.deviceSynchronize()  # (default stream: not ordered with ours)
+    rng = np.random.default_rng(0)
+    units = spec.num_layers
+    per_block = spec.bytes_per_block
+    out: dict[str, Any] = {"bytes_per_block": per_block, "units_per_op": units}
+    for name, src, dst in (("h2d", Tier.HOST, Tier.DEVICE), ("d2h", Tier.DEVICE, Tier.HOST)):
+        await _backend_ops(backend, [(src, dst, [0], [0])])  # warm up
+        pts = []
+        for k in sizes:
+            ts = []
+            for _ in range(reps):
+                s = rng.permutation(n)[:k].tolist()
+                d = rng.permutation(n)[:k].tolist()
+                ts += await _backend_ops(backend, [(src, dst, s, d)])
+            pts.append((k * per_block, statistics.median(ts)))
+        lat, bw = fit_link(pts, units)
+        out[name] = {"latency_s": lat, "bandwidth_Bps": bw,
+                     "points": [(b, t) for b, t in pts]}
+        log(f"backend {name}: {bw / 1e9:.2f} GB/s, {lat * 1e6:.2f} us per layer unit "
+            f"(ops of {', '.join(map(str, sizes))} blocks of {per_block / 2**20:.1f} MiB)")
+    k = max(sizes)
+    both = []
+    for _ in range(reps):
+        perm = rng.permutation(n)
+        a, b = perm[:k].tolist(), perm[k:2 * k].tolist()
+        both.append(await _backend_ops(backend, [(Tier.HOST, Tier.DEVICE, a, a),
+                                                 (Tier.DEVICE, Tier.HOST, b, b)]))
+    t_in = statistics.median(t[0] for t in both)
+    t_out = statistics.median(t[1] for t in both)
+    out["both"] = {"h2d_Bps": k * per_block / t_in, "d2h_Bps": k * per_block / t_out}
+    log(f"backend both ways at once ({k} blocks each): h2d {out['both']['h2d_Bps'] / 1e9:.2f}"
+        f" GB/s, d2h {out['both']['d2h_Bps'] / 1e9:.2f} GB/s")
+    backend.synchronize()
+    return out
+
+
+def measure_swap_kernels(log: Log, volume: int = 128 << 20, reps: int = 5,
+                         blocks: Sequence[int] = (16 << 10, 128 << 10, 1 << 20),
+                         ctas: Sequence[int] = (2, 4, 8, 16)) -> list[dict[str, Any]]:
+    """BlockCopier bandwidth (GB/s) over scattered ids, by block size and CTAs, each way."""
+    from kernels.swap import BlockCopier, SwapKernels
+
+    cp = cupy_module()
+    dev = cp.random.randint(0, 255, 2 * volume, dtype=np.uint8)
+    host = cp.cuda.alloc_pinned_memory(2 * volume)
+    cp.cuda.runtime.deviceSynchronize()
+    kernels = SwapKernels()
+    stream = cp.cuda.Stream(non_blocking=True)
+    rng = np.random.default_rng(1)
+    rows = []
+    for block in blocks:
+        n = volume // block
+        cap = 2 * n
+        dbase = np.array([[int(dev.data.ptr)]], dtype=np.int64)
+        hbase = np.array([[int(host.ptr)]], dtype=np.int64)
+        for c in ctas:
+            row: dict[str, Any] = {"block_bytes": block, "ctas": c}
+            for name, src, dst in (("h2d", hbase, dbase), ("d2h", dbase, hbase)):
+                cop = BlockCopier(src, dst, [block], cap, cap, ctas=c, min_run_bytes=0,
+                                  kernels=kernels)
+                s_ids = rng.permutation(cap)[:n].astype(np.int32)
+                d_ids = rng.permutation(cap)[:n].astype(np.int32)
+                prep = cop.prepare(s_ids, d_ids, stream)
+                t = _gpu_seconds(cp, stream, lambda cop=cop, prep=prep: cop.launch(prep, stream),
+                                 reps)
+                stream.synchronize()
+                prep.release()
+                row[f"{name}_GBps"] = n * block / t / 1e9
+            rows.append(row)
+        log("swap kernel " + f"{block >> 10} KB: " + ", ".join(
+            f"{r['ctas']} CTAs {r['h2d_GBps']:.1f}/{r['d2h_GBps']:.1f}"
+            for r in rows if r["block_bytes"] == block) + " GB/s (h2d/d2h)")
+    del dev, host
+    return rows
+
+
+def measure_matmuls(log: Log, reps: int = 5) -> dict[str, Any]:
+    """cuBLAS fp16 8192^3 (reference peak) and a 4 GiB device copy (HBM, read + write)."""
+    cp = cupy_module()
+    stream = cp.cuda.Stream(non_blocking=True)
+    out: dict[str, Any] = {}
+    with stream:
+        ab = [cp.random.standard_normal((8192, 8192), dtype=cp.float32).astype(cp.float16)
+              for _ in range(2)]
+        t = _gpu_seconds(cp, stream, lambda: cp.matmul(ab[0], ab[1]), reps)
+        out["cublas_fp16_8192_flops"] = 2 * 8192**3 / t
+        ab.clear()
+        xy = [cp.empty(1 << 31, dtype=cp.uint8) for _ in range(2)]
+        t = _gpu_seconds(cp, stream, lambda: xy[1].__setitem__(Ellipsis, xy[0]), reps)
+        out["hbm_copy_Bps"] = 2 * (1 << 31) / t
+        xy.clear()
+    log(f"cuBLAS fp16 8192^3: {out['cublas_fp16_8192_flops'] / 1e12:.0f} TFLOP/s; "
+        f"device copy: {out['hbm_copy_Bps'] / 1e12:.2f} TB/s (read + write)")
+    return out
+
+
+async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
+                           stream_priority: int | None = None) -> dict[str, Any]:
+    """GEMM and attention throughput of the executor, and its steps over a batch grid."""
+    from kernels.backend import CudaBackend
+    from kernels.compute import GpuExecutor
+    from kernels.model import ModelShape, StepItem
+
+    cp = cupy_module()
+    shape = ModelShape.from_spec(spec)
+    bt = spec.block_tokens
+    prefills = [(512, 0), (2048, 0), (8192, 0), (2048, 8192), (4096, 16384), (1024, 32768),
+                (256, 4096)]
+    decodes = [(1, 1024), (8, 4096), (32, 4096), (32, 8192), (64, 2048)]
+    mixed = [((2048, 0), (16, 4096))]
+    need = max(max(-(-(n + c) // bt) for n, c in prefills),
+               max(b * -(-(c + 1) // bt) for b, c in decodes))
+    backend = CudaBackend(spec, need + 4, 1, stream_priority=stream_priority)
+    ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 64)
+    await ex.warm_up(block=need + 3)
+    # every block gets real KV values: run prefills over the whole pool once
+    rng = np.random.default_rng(2)
+
+    def prefill_item(n: int, ctx: int, first: int = 0) -> StepItem:
+        table = np.arange(first, first + -(-(n + ctx) // bt), dtype=np.int32)
+        return StepItem(("p", n, ctx), False, rng.integers(0, 1 << 30, n).astype(np.int32), ctx,
+                        table, True)
+
+    for start in range(0, need, 16):  # fill KV (16 blocks per step)
+        k = min(16, need - start)
+        await ex.run_items([prefill_item(k * bt, 0, start)])
+
+    def decode_items(b: int, ctx: int) -> list[StepItem]:
+        per = -(-(ctx + 1) // bt)
+        return [StepItem(("d", i), True, np.array([7], dtype=np.int32), ctx,
+                         np.arange(i * per, (i + 1) * per, dtype=np.int32), True)
+                for i in range(b)]
+
+    async def gpu_time(items: list[StepItem]) -> float:
+        ts = []
+        for _ in range(reps + 1):
+            await ex.run_items(items)
+            ts.append(ex.last_gpu_s)
+        return statistics.median(ts[1:])
+
+    points: list[StepPoint] = []
+    for n, c in prefills:
+        t = await gpu_time([prefill_item(n, c)])
+        f, b = step_terms(spec, [(n, c)], [])
+        points.append(StepPoint(f"prefill {n}@{c}", f, b, t))
+    for b_, c in decodes:
+        t = await gpu_time(decode_items(b_, c))
+        f, b = step_terms(spec, [], [c + 1] * b_)
+        points.append(StepPoint(f"decode {b_}x{c}", f, b, t))
+    for (n, c), (b_, dc) in mixed:
+        items = [*decode_items(b_, dc), prefill_item(n, c, b_ * -(-(dc + 1) // bt))]
+        t = await gpu_time(items)
+        f, b = step_terms(spec, [(n, c)], [dc + 1] * b_)
+        points.append(StepPoint(f"mixed {n}@{c}+{b_}x{dc}", f, b, t))
+
+    # GEMM throughput of the executor's kernel, per layer's four GEMMs
+    gemm = {}
+    for m in (64, 512, 2048, 8192):
+        x = cp.zeros((m, max(shape.hidden, shape.intermediate, shape.q_dim)), cp.uint16)
+        x[...] = 0x3F80  # 1.0 in bf16: real values, no zeros
+        out16 = cp.empty((m, max(shape.qkv_dim, 2 * shape.intermediate)), cp.uint16)
+        out32 = cp.zeros((m, shape.hidden), cp.float32)
+        xp, o16, o32 = (np.uint64(a.data.ptr) for a in (x, out16, out32))
+        cp.cuda.runtime.deviceSynchronize()
+
+        def layer_gemms(m: int = m, xp: np.uint64 = xp, o16: np.uint64 = o16,
+                        o32: np.uint64 = o32, w: dict[str, Any] = ex.weights[0]) -> None:
+            ex._gemm(xp, w["wqkv"], o16, m, shape.qkv_dim, shape.hidden, 0)
+            ex._gemm(xp, w["wo"], o32, m, shape.hidden, shape.q_dim, 1)
+            ex._gemm(xp, w["wgu"], o16, m, 2 * shape.intermediate, shape.hidden, 0)
+            ex._gemm(xp, w["wd"], o32, m, shape.hidden, shape.intermediate, 1)
+
+        t = _gpu_seconds(cp, ex.stream, layer_gemms, 5)
+        gemm[m] = {"flops": 2 * m * shape.params_per_layer / t,
+                   "weight_Bps": shape.params_per_layer * 2 / t}
+    log("executor GEMM (one layer's four): " + ", ".join(
+        f"M={m}: {v['flops'] / 1e12:.0f} TFLOP/s ({v['weight_Bps'] / 1e12:.2f} TB/s of weights)"
+        for m, v in gemm.items()))
+    # attention: the extra time of context (same new tokens)
+    by = {p.label: p for p in points}
+    att = {}
+    for n, c in ((2048, 8192), (4096, 16384), (1024, 32768)):
+        base = [p for p in points if p.label == f"prefill {n}@0"]
+        if base:
+            dt = by[f"prefill {n}@{c}"].seconds - base[0].seconds
+        else:  # same tokens at context 0, measured now
+            dt = by[f"prefill {n}@{c}"].seconds - await gpu_time([prefill_item(n, 0)])
+        pairs_extra = n * c
+        flops = spec.num_layers * 4 * shape.heads * shape.head_dim * pairs_extra
+        att[f"{n}@{c}"] = flops / dt if dt > 0 else float("nan")
+    log("executor attention (extra context): " + ", ".join(
+        f"{k}: {v / 1e12:.0f} TFLOP/s" for k, v in att.items()))
+    backend.synchronize()
+    return {"points": points, "gemm": gemm, "attention_flops": att}
+
+
+async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 16,
+                                input_len: int = 2048, output_len: int = 48,
+                                stream_priority: int | None = None) -> dict[str, Any]:
+    """Wall time minus GPU time per step, over a small engine run (decode-heavy)."""
+    from kernels.backend import CudaBackend
+    from kernels.compute import GpuExecutor
+    from kvflow.engine import Engine, EngineConfig, EngineRequest
+    from kvflow.manager import CacheManager, Capacities
+    from kvflow.runtime import Runtime
+
+    loop = asyncio.get_running_loop()
+    bt = spec.block_tokens
+    per = -(-(input_len + output_len) // bt)
+    caps = Capacities(requests * per + 8)
+    backend = CudaBackend(spec, caps.device, 1, stream_priority=stream_priority)
+    ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 256)
+    await ex.warm_up(block=caps.device - 1)
+    manager = CacheManager(caps)
+    runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
+    engine = Engine(manager, runtime, ex, EngineConfig(bt, 8192, 256))
+    t0 = loop.time()
+    busy0 = ex.busy_s
+    for i in range(requests):
+        keys = tuple(("cal", i, b) for b in range(-(-input_len // bt)))
+        engine.add(EngineRequest(i, 0.0, keys, input_len, output_len))
+    engine.close()
+    await engine.run()
+    wall = loop.time() - t0
+    steps = engine.stats.steps
+    busy = ex.busy_s - busy0
+    overhead = max(wall - busy, 0.0) / steps
+    log(f"engine run: {steps} steps in {wall:.3f} s, GPU busy {busy:.3f} s: "
+        f"{overhead * 1e3:.3f} ms per step not overlapped")
+    return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead}
+
+
+@dataclasses.dataclass
+class Calibration:
+    """Everything measured, and the profile values derived from it."""
+
+    device: dict[str, Any]
+    model: str
+    raw_link: dict[str, Any]
+    links: dict[str, Any]
+    swap_kernels: list[dict[str, Any]]
+    matmuls: dict[str, Any]
+    executor: dict[str, Any]
+    fit: dict[str, Any]
+    overhead: dict[str, Any]
+    profile: dict[str, Any]
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["executor"]["points"] = [dataclasses.asdict(p) if isinstance(p, StepPoint) else p
+                                   for p in self.executor["points"]]
+        return d
+
+
+def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str = "h100",
+              name: str | None = None, quick: bool = False, stream_priority: int | None = None,
+              log: Log = print) -> Calibration:
+    """Measure links, swap kernels and compute on this GPU (see the module docstring)."""
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"kvflow calibrate needs a CUDA GPU and CuPy: {reason}")
+    from sim.cost import PROFILES
+
+    if base not in PROFILES:
+        raise ConfigError(f"unknown base profile {base!r}; presets: {', '.join(PROFILES)}")
+    cp = cupy_module()
+    t0 = time.perf_counter()
+    if stream_priority is None:  # as the GPU replay will run the copy streams
+        from kernels.replay import env_backend_options
+
+        stream_priority = env_backend_options().get("stream_priority")
+    spec = preset(model, block_tokens=block_tokens)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    dname = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    _, total = cp.cuda.runtime.memGetInfo()
+    device = {"name": dname, "sms": int(props["multiProcessorCount"]), "memory_bytes": total,
+              "cupy": cp.__version__, "driver": cp.cuda.runtime.driverGetVersion(),
+              "runtime": cp.cuda.runtime.runtimeGetVersion()}
+    log(f"device: {dname}, {device['sms']} SMs, {total / 2**30:.1f} GiB")
+    reps = 3 if quick else 5
+    raw = measure_raw_link(log, reps=reps)
+    links = asyncio.run(measure_backend_links(spec, log, reps=reps,
+                                              stream_priority=stream_priority))
+    kernels = measure_swap_kernels(log, reps=reps,
+                                   ctas=(2, 4, 16) if quick else (2, 4, 8, 16))
+    mm = measure_matmuls(log, reps=reps)
+    exe = asyncio.run(measure_executor(spec, log, reps=2 if quick else 3,
+                                       stream_priority=stream_priority))
+    b = PROFILES[base]
+    mfu, mbu, rms = fit_roofline(exe["points"], spec.num_layers, b.peak_bf16_flops,
+                                 b.hbm_bytes_per_s)
+    rows = [{"step": p.label, "measured_s": p.seconds,
+             "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
+                                     mfu, mbu)} for p in exe["points"]]
+    log(f"roofline fit on {len(rows)} steps: mfu {mfu:.4f}, mbu {mbu:.4f} "
+        f"(rms log error {rms:.3f})")
+    for r in rows:
+        log(f"  {r['step']:>24}: measured {r['measured_s'] * 1e3:8.3f} ms, model "
+            f"{r['predicted_s'] * 1e3:8.3f} ms ({r['predicted_s'] / r['measured_s'] - 1:+.1%})")
+    over = asyncio.run(measure_step_overhead(spec, log, stream_priority=stream_priority))
+    profile = {
+        "base": base, "name": name or f"{base}-calibrated",
+        "peak_bf16_flops": b.peak_bf16_flops, "mfu": round(mfu, 5),
+        "hbm_bytes_per_s": b.hbm_bytes_per_s, "mbu": round(mbu, 5),
+        "memory_bytes": float(total), "step_overhead_s": over["step_overhead_s"],
+        "h2d": {"bandwidth_Bps": links["h2d"]["bandwidth_Bps"],
+                "latency_s": links["h2d"]["latency_s"]},
+        "d2h": {"bandwidth_Bps": links["d2h"]["bandwidth_Bps"],
+                "latency_s": links["d2h"]["latency_s"]},
+    }
+    return Calibration(device, spec.name, raw, links, kernels, mm, exe,
+                       {"mfu": mfu, "mbu": mbu, "rms_log_error": rms, "steps": rows},
+                       over, profile, time.perf_counter() - t0)
+
+
+def profile_comments(cal: Calibration, command: str) -> list[str]:
+    """The TOML's header: where, when, how, and the raw numbers behind each value."""
+    r, lk, ex = cal.raw_link, cal.links, cal.executor
+    best = max(cal.swap_kernels, key=lambda x: x["h2d_GBps"], default=None)
+    lines = [
+        f"GPU profile measured by `kvflow calibrate` on {cal.device['name']} "
+        f"({cal.device['sms']} SMs), {datetime.date.today().isoformat()}.",
+        f"Command: {command}",
+        "Keys override the base preset (sim.cost.load_profile); storage links are the",
+        "base's (not measured: this machine's GPU world has no storage tier).",
+        "",
+        f"Compute: GpuExecutor steps of {cal.model} (bf16 mma.sync kernels, compute.cu),",
+        f"roofline fitted over {len(cal.fit['steps'])} prefill/decode/mixed steps "
+        f"(rms log error {cal.fit['rms_log_error']:.3f});",
+        "peak_bf16_flops and hbm_bytes_per_s stay datasheet values, mfu/mbu carry the fit.",
+        "Executor GEMM (a layer's four): " + ", ".join(
+            f"M={m} {v['flops'] / 1e12:.0f} TFLOP/s" for m, v in ex["gemm"].items()) + ";",
+        "attention (extra context): " + ", ".join(
+            f"{k} {v / 1e12:.0f}" for k, v in ex["attention_flops"].items()) + " TFLOP/s;",
+        f"cuBLAS fp16 8192^3 {cal.matmuls['cublas_fp16_8192_flops'] / 1e12:.0f} TFLOP/s; "
+        f"device copy {cal.matmuls['hbm_copy_Bps'] / 1e12:.2f} TB/s (read + write).",
+        f"step_overhead_s: engine run of {cal.overhead['steps']} steps, wall "
+        f"{cal.overhead['wall_s']:.3f} s - GPU {cal.overhead['gpu_s']:.3f} s.",
+        "",
+        f"Links: CudaBackend ops of 1..16 scattered blocks "
+        f"({lk['bytes_per_block'] / 2**20:.1f} MiB each, {lk['units_per_op']} layer units per "
+        "op), event-timed,",
+        "fitted to latency_s + bytes / bandwidth_Bps per unit. Both ways at once: h2d "
+        f"{lk['both']['h2d_Bps'] / 1e9:.1f}, d2h {lk['both']['d2h_Bps'] / 1e9:.1f} GB/s.",
+        f"Raw contiguous cudaMemcpyAsync: h2d {r['h2d_Bps'] / 1e9:.1f}, d2h "
+        f"{r['d2h_Bps'] / 1e9:.1f}, both {r['both_Bps'] / 1e9:.1f} GB/s; 4 KB copy "
+        f"{r['h2d_op_4k_s'] * 1e6:.2f} / {r['d2h_op_4k_s'] * 1e6:.2f} us.",
+    ]
+    if best is not None:
+        lines.append(f"Swap kernel best h2d: {best['h2d_GBps']:.1f} GB/s "
+                     f"({best['block_bytes'] >> 10} KB blocks, {best['ctas']} CTAs).")
+    return lines

@@ -1,0 +1,261 @@
+"""Replay a request trace with the engine on a real GPU (``kvflow replay --backend cuda``).
+
+The same scheduler, runtime and engine as the simulated replay (``sim.replay``),
+on a real event loop (uvloop): arrivals at their trace times in wall-clock time,
+``CudaBackend`` moving real KV between device and pinned host memory, and
+``GpuExecutor`` computing each step on the GPU behind per-layer device-side
+waits. The report is the simulator's (``sim.replay._full_report``), built from
+the same objects; times are wall-clock seconds where the simulator's are
+virtual, and per-transfer times come from CUDA events around each op on its
+stream (``TransferLog``), where the simulator takes them from its link model.
+
+The device has no storage tier here (``CudaBackend`` moves device <-> host
+only), so the storage tier must be 0. Pools default to what fits: device
+blocks in the GPU memory left after weights and workspace, host blocks in a
+quarter of the machine's memory (pinned), both capped by the simulator's
+defaults. Before the first arrival every kernel runs once (NVRTC compiles,
+first launches), so no request pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kernels._cuda import cupy_module, gpu_unavailable_reason
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import ConfigError
+from kvflow.manager import CacheManager, Capacities, OpKind, TransferOp
+from kvflow.radix import Tier
+from kvflow.runtime import Runtime
+from sim.replay import (
+    DEFAULT_HOST_GB,
+    ReplayConfig,
+    Setup,
+    TransferLog,
+    _full_report,
+    _Sampler,
+    assemble_report,
+    blocks_for_gb,
+    default_device_blocks,
+    make_manager,
+    resolve,
+)
+
+GiB = 1024**3
+#: Share of free GPU memory the device pool may take once weights and workspace are out.
+DEVICE_SHARE = 0.85
+#: Share of the machine's memory the pinned host pool may take by default.
+HOST_SHARE = 0.25
+
+
+def _workspace_bytes(spec: Any, tokens: int) -> int:
+    from kernels.model import ModelShape
+
+    s = ModelShape.from_spec(spec)
+    per_token = (s.hidden * 6 + s.qkv_dim * 2 + s.q_dim * 2 + s.intermediate * 6)
+    return tokens * per_token + (64 << 20)
+
+
+def gpu_capacities(cfg: ReplayConfig, setup: Setup) -> Capacities:
+    """Pools for the GPU world: as configured, else what fits (see the module docstring)."""
+    spec = setup.spec
+    if cfg.storage_blocks or cfg.storage_gb:
+        raise ConfigError("--backend cuda has no storage tier: give --storage-blocks 0")
+    cp = cupy_module()
+    free, _ = cp.cuda.runtime.memGetInfo()
+    if cfg.device_blocks is not None:
+        device = cfg.device_blocks
+    elif cfg.device_gb is not None:
+        device = blocks_for_gb(cfg.device_gb, spec)
+    else:
+        weights = spec.active_params * 2
+        room = free * DEVICE_SHARE - weights - _workspace_bytes(
+            spec, cfg.max_batch_tokens + cfg.max_running)
+        device = min(int(room // spec.bytes_per_block),
+                     default_device_blocks(spec, setup.profile))
+    if cfg.host_blocks is not None:
+        host = cfg.host_blocks
+    elif cfg.host_gb is not None:
+        host = blocks_for_gb(cfg.host_gb, spec)
+    else:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = min(int(ram * HOST_SHARE // spec.bytes_per_block),
+                   blocks_for_gb(DEFAULT_HOST_GB, spec))
+    if device <= 0:
+        raise ConfigError(f"model {spec.name} leaves no GPU memory for KV blocks "
+                          f"({free / GiB:.1f} GiB free): give --device-blocks")
+    return Capacities(device, host, 0)
+
+
+def env_backend_options() -> dict[str, Any]:
+    """``CudaBackend`` options from ``KVFLOW_STREAM_PRIORITY`` (``highest`` or an int).
+
+    How the copy streams compete with compute for SMs is a property of the
+    machine, measured by ``benchmarks/bench_overlap.py``; calibrate and replay
+    must run them alike, hence one variable both read.
+    """
+    value = os.environ.get("KVFLOW_STREAM_PRIORITY", "").strip()
+    if not value or value == "default":
+        return {}
+    if value == "highest":
+        return {"stream_priority": cupy_module().cuda.runtime.deviceGetStreamPriorityRange()[1]}
+    try:
+        return {"stream_priority": int(value)}
+    except ValueError:
+        raise ConfigError(f"KVFLOW_STREAM_PRIORITY must be 'default', 'highest' or an "
+                          f"integer, got {value!r}") from None
+
+
+def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> TransferLog:
+    """A ``TransferLog`` timing each op with CUDA events on its stream.
+
+    The start event is recorded on the op's stream before its first launch
+    (it completes when the stream reaches the op), the end event right after
+    its last layer's copy: their difference is the op's time on its link.
+    """
+    cp = cupy_module()
+
+    def stream_of(op: TransferOp) -> Any:
+        if (op.src_tier, op.dst_tier) == (Tier.HOST, Tier.DEVICE):
+            return backend.load_stream
+        if (op.src_tier, op.dst_tier) == (Tier.DEVICE, Tier.HOST):
+            return backend.store_stream
+        return None
+
+    def begin(op: TransferOp) -> Any:
+        stream = stream_of(op)
+        if stream is None:
+            return None
+        start = cp.cuda.Event()
+        start.record(stream)
+        return [start, None, stream]
+
+    def end(token: Any) -> None:
+        if token is not None:
+            token[1] = cp.cuda.Event()
+            token[1].record(token[2])
+
+    def service(handle: Any, token: Any) -> float | None:
+        if token is None or token[1] is None:
+            return None
+        token[1].synchronize()  # at done time the GPU is past it (or a few us from it)
+        return cp.cuda.get_elapsed_time(token[0], token[1]) / 1e3
+
+    return TransferLog(backend, loop, service, begin=begin, end=end)
+
+
+def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = None, *,
+                   inspect: Callable[[CacheManager, Runtime | None], None] | None = None,
+                   timeout_s: float | None = None,
+                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run one replay on the GPU; returns the simulator's report format (plus ``device``).
+
+    ``backend_options`` go to ``CudaBackend`` (CTAs, stream priority, ...);
+    ``timeout_s`` bounds the replay's wall time (``ConfigError`` past it).
+    """
+    reason = gpu_unavailable_reason()
+    if reason is not None:
+        raise ConfigError(f"--backend cuda needs a CUDA GPU and CuPy: {reason}")
+    if cfg.backend != "cuda":
+        cfg = dataclasses.replace(cfg, backend="cuda")
+    t0 = time.perf_counter()
+    setup = resolve(cfg)
+    setup = dataclasses.replace(setup, capacities=gpu_capacities(cfg, setup))
+    manager = make_manager(cfg, setup.capacities)
+    options = env_backend_options() if backend_options is None else backend_options
+    body = _run_loop(_replay_gpu(cfg, setup, manager, progress, inspect, timeout_s, options))
+    return assemble_report(cfg, setup, manager, body, t0)
+
+
+def _run_loop(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+async def warm_up_links(backend: Any) -> None:
+    """One copy each way (host block 0 <-> device block 0): compiles and loads the swap kernel."""
+    from kernels.backend import FutureSink
+
+    for i, (src, dst) in enumerate(((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DEVICE))):
+        sink = FutureSink(backend.num_layers)
+        backend.submit(TransferOp(-1 - i, OpKind.EVICT, src, dst, [0], [0], []), sink)
+        await sink.wait()
+
+
+async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
+                      progress: Callable[[int, int], None] | None,
+                      inspect: Callable[[CacheManager, Runtime | None], None] | None,
+                      timeout_s: float | None, options: dict[str, Any]) -> dict[str, Any]:
+    from kernels.backend import CudaBackend
+    from kernels.compute import GpuExecutor
+
+    cp = cupy_module()
+    loop = asyncio.get_running_loop()
+    spec, caps = setup.spec, setup.capacities
+    backend = CudaBackend(spec, caps.device, max(caps.host, 1), **options)
+    executor = GpuExecutor(backend, seed=cfg.seed,
+                           max_tokens=cfg.max_batch_tokens + cfg.max_running)
+    await executor.warm_up(block=0)
+    await warm_up_links(backend)
+    backend.synchronize()
+    log = cuda_transfer_log(backend, loop)
+    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
+    engine = Engine(manager, runtime, executor,
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    total = len(setup.requests)
+    if progress is not None:
+        engine.on_finish = lambda st: progress(len(engine.done), total)
+    sampler = _Sampler(engine, log, executor, cfg.sample_interval_s)
+    start = loop.time()
+
+    async def feed() -> None:
+        for req in setup.requests:
+            delay = start + req.arrival_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            engine.add(req)
+        engine.close()
+
+    run = loop.create_task(engine.run(), name="engine")
+    sample_task = loop.create_task(sampler.run(), name="sampler")
+    try:
+        await asyncio.wait_for(asyncio.gather(feed(), run), timeout_s)
+    except TimeoutError:
+        raise ConfigError(f"the GPU replay did not finish within {timeout_s:.0f} s "
+                          f"({len(engine.done)} of {total} requests done)") from None
+    finally:
+        sample_task.cancel()
+    sampler.sample()
+    end = loop.time()
+    backend.synchronize()
+    if inspect is not None:
+        inspect(manager, runtime)
+    # The report counts from the first arrival at 0, as the simulator's loop does.
+    for st in engine.done:
+        for name in ("admit_s", "first_token_s", "finish_s"):
+            v = getattr(st, name)
+            if v is not None:
+                setattr(st, name, v - start)
+    sampler.t = [round(t - start, 6) for t in sampler.t]
+    body = _full_report(setup, engine, runtime, log, sampler, end - start)
+    props = cp.cuda.runtime.getDeviceProperties(backend.device)
+    name = props["name"]
+    body["device"] = {
+        "name": name.decode() if isinstance(name, bytes) else str(name),
+        "backend_options": {k: v for k, v in options.items() if isinstance(v, (int, float))},
+        "executor_steps": executor.steps,
+        "executor_gpu_s": executor.busy_s,
+        "outputs": sum(len(v) for v in executor.outputs.values()),
+    }
+    return body

@@ -1,0 +1,135 @@
+"""``kvflow calibrate`` without a GPU: the fits, the profile it writes, the CLI's errors.
+
+Also the report's per-transfer times (``TransferLog``) and ``--backend`` handling,
+which the sim-vs-GPU comparison relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli import app
+from kernels import gpu_unavailable_reason
+from kernels.calibrate import (
+    StepPoint,
+    fit_link,
+    fit_roofline,
+    render_profile,
+    roofline,
+    step_terms,
+    write_profile,
+)
+from kvflow.errors import ConfigError
+from kvflow.layout import preset
+from sim.cost import PROFILES, CostModel, load_profile
+from sim.replay import ReplayConfig, run_replay
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = preset("llama-3-8b-l4", block_tokens=512)
+
+
+def test_fit_link_recovers_latency_and_bandwidth() -> None:
+    lat, bw, units = 4e-6, 48e9, 4
+    rng = np.random.default_rng(0)
+    pts = [(b, units * lat + b / bw * (1 + rng.normal(0, 1e-4))) for b in
+           (8e6, 16e6, 32e6, 64e6, 128e6)]
+    got_lat, got_bw = fit_link(pts, units)
+    assert got_bw == pytest.approx(bw, rel=1e-3)
+    assert got_lat == pytest.approx(lat, rel=0.1)
+    # noise that would make the latency negative: clamped to 0, bandwidth refitted
+    lat0, bw0 = fit_link([(1e6, 1e6 / 50e9 - 1e-6), (2e6, 2e6 / 50e9)], units)
+    assert lat0 == 0.0 and bw0 == pytest.approx(50e9, rel=0.05)
+    with pytest.raises(ValueError):
+        fit_link([(1e6, 1e-4)], units)
+
+
+def test_step_terms_match_the_cost_model() -> None:
+    prof = PROFILES["h100"]
+    cm = CostModel(SPEC, prof)
+    batch = ([(2048, 4096), (512, 0)], [1000, 3000])
+    f, b = step_terms(SPEC, *batch)
+    p = StepPoint("x", f, b, 1.0)
+    assert roofline(p, 1, prof.peak_bf16_flops, prof.hbm_bytes_per_s, prof.mfu,
+                    prof.mbu) == pytest.approx(cm.layer_time(*batch), rel=1e-12)
+
+
+def test_fit_roofline_recovers_mfu_and_mbu() -> None:
+    prof = PROFILES["h100"]
+    peak, hbm = prof.peak_bf16_flops, prof.hbm_bytes_per_s
+    batches = [([(n, c)], []) for n, c in ((512, 0), (2048, 0), (8192, 0), (2048, 8192))]
+    batches += [([], [c + 1] * b) for b, c in ((1, 1024), (8, 4096), (32, 8192))]
+    pts = []
+    for pre, dec in batches:
+        f, b = step_terms(SPEC, pre, dec)
+        t = roofline(StepPoint("", f, b, 0.0), 4, peak, hbm, 0.21, 0.63)
+        pts.append(StepPoint("", f, b, t))
+    mfu, mbu, rms = fit_roofline(pts, 4, peak, hbm)
+    assert mfu == pytest.approx(0.21, rel=0.01) and mbu == pytest.approx(0.63, rel=0.01)
+    assert rms < 0.01
+
+
+def test_written_profile_loads_with_the_measured_values(tmp_path: Path) -> None:
+    values = {"base": "h100", "name": "h100-calibrated", "peak_bf16_flops": 989.4e12,
+              "mfu": 0.1834, "hbm_bytes_per_s": 3.35e12, "mbu": 0.52, "memory_bytes": 85e9,
+              "step_overhead_s": 3.2e-4,
+              "h2d": {"bandwidth_Bps": 49.7e9, "latency_s": 6.1e-6},
+              "d2h": {"bandwidth_Bps": 51.2e9, "latency_s": 0.0}}
+    text = render_profile(values, ["measured somewhere", "", "second line"])
+    assert text.startswith("# measured somewhere\n#\n# second line\n")
+    prof = write_profile(tmp_path / "p.toml", values, ["x"])
+    assert prof.name == "h100-calibrated" and prof.mfu == pytest.approx(0.1834)
+    assert prof.h2d.bandwidth_Bps == pytest.approx(49.7e9)
+    assert prof.h2d.latency_s == pytest.approx(6.1e-6) and prof.d2h.latency_s == 0.0
+    assert prof.step_overhead_s == pytest.approx(3.2e-4)
+    assert prof.storage_read == PROFILES["h100"].storage_read  # not measured: the base's
+    with pytest.raises(ConfigError, match="unknown key"):
+        write_profile(tmp_path / "bad.toml", {**values, "typo": 1.0}, [])
+
+
+def test_shipped_calibrated_profile_loads() -> None:
+    path = ROOT / "sim/profiles/h100-calibrated.toml"
+    if not path.exists():
+        pytest.skip("no calibrated profile shipped yet")
+    prof = load_profile(str(path))
+    assert prof.name == "h100-calibrated"
+    assert 0 < prof.mfu <= 1 and 0 < prof.mbu <= 1
+    assert 10e9 < prof.h2d.bandwidth_Bps < 64e9 and 10e9 < prof.d2h.bandwidth_Bps < 64e9
+
+
+# ----------------------------------------------------------------------- CLI, config
+@pytest.mark.skipif(gpu_unavailable_reason() is None, reason="a GPU is present")
+@pytest.mark.parametrize("args", [["calibrate", "--out", "{tmp}/x.toml"],
+                                  ["replay", "--backend", "cuda", "--limit", "2",
+                                   "--storage-blocks", "0"]])
+def test_gpu_commands_exit_2_with_one_line_without_a_gpu(args: list[str],
+                                                         tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, [a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "CuPy" in lines[0], res.output
+
+
+def test_replay_config_backend_is_checked() -> None:
+    with pytest.raises(ConfigError, match="unknown backend"):
+        ReplayConfig(backend="tpu")
+    with pytest.raises(ConfigError, match="full mode only"):
+        ReplayConfig(backend="cuda", mode="cache")
+
+
+def test_sim_report_has_per_transfer_times_from_the_link_model() -> None:
+    rep = run_replay(ReplayConfig(model="llama-3-8b-l4", limit=30, device_blocks=200,
+                                  host_blocks=400, storage_blocks=0))
+    t = rep["transfers"]["backup"]
+    prof = PROFILES["h100"]
+    per_layer_block = SPEC.bytes_per_layer_block
+    # one unit per layer: latency + bytes / bandwidth; per block, latency is shared by the op
+    lo = SPEC.num_layers * per_layer_block / prof.d2h.bandwidth_Bps
+    hi = lo + SPEC.num_layers * prof.d2h.latency_s
+    assert lo <= t["service_per_block_s"] <= hi
+    assert t["ops"] == 30 and t["latency_mean_s"] >= t["service_mean_s"] - 1e-12
+    assert math.isclose(rep["bytes"]["d2h"], t["blocks"] * SPEC.bytes_per_block)
