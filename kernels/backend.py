@@ -95,6 +95,10 @@ def _host_callback(arg: tuple[CudaTask, int, int]) -> None:
         task.loop.call_soon_threadsafe(task._on_layers, first, count)
 
 
+#: A stream priority past any device's range: CUDA clamps it to the highest priority.
+HIGHEST_PRIORITY = -1000
+
+
 def _stream(cp: object, priority: int | None) -> object:
     """A non-blocking stream, with a CUDA priority where one is asked for and CuPy can."""
     if priority is None:

@@ -356,8 +356,8 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     cp = cupy_module()
     shape = ModelShape.from_spec(spec)
     bt = spec.block_tokens
-    prefills = [(512, 0), (2048, 0), (8192, 0), (2048, 8192), (4096, 16384), (1024, 32768),
-                (256, 4096)]
+    prefills = [(512, 0), (2048, 0), (8192, 0), (1024, 2048), (1024, 4096), (4096, 4096),
+                (2048, 8192), (8192, 8192), (4096, 16384), (1024, 32768), (256, 4096)]
     decodes = [(1, 1024), (8, 4096), (32, 4096), (32, 8192), (64, 2048)]
     mixed = [((2048, 0), (16, 4096))]
     need = max(max(-(-(n + c) // bt) for n, c in prefills),

@@ -10,8 +10,8 @@
 //     order), whatever M, the row's place in the tile or the CTA shape.
 //   * RMSNorm / final: one warp per row, fixed per-lane order and shuffle tree.
 //   * Prefill attention: a CTA per (16 query tokens, kv head), one warp per query
-//     head; keys in 16-key tiles at absolute positions 0, 16, 32..., online softmax
-//     in that order. A tile that is fully masked for a row leaves the row exactly
+//     head; keys in KT-key tiles (KT = 16 or 32, one per build) at absolute positions
+//     0, KT, 2 KT..., online softmax in that order. A tile that is fully masked for a row leaves the row exactly
 //     as it was (scale exp2(0) = 1, p = 0), masked keys get p = 0 and keys past the
 //     CTA's last query are zero-filled, so a row's result does not depend on which
 //     other rows share its CTA (that is, on how its prompt was chunked).
@@ -33,7 +33,6 @@ typedef long long i64;
 
 namespace {
 
-constexpr int kKeyTile = 16;     // keys per attention tile
 constexpr float kEps = 1e-6f;    // RMSNorm epsilon
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -193,45 +192,137 @@ __device__ __forceinline__ void gemm(const u64 a_addr, const u64 w_addr, const u
   }
 }
 
+// Skinny GEMM for few rows (decode): 16 x 32 tiles, one warp, 64-deep K tiles, 4 stages,
+// so that many small CTAs keep enough weight bytes in flight to stream them near HBM
+// speed. Every output element is the same mma sequence as in gemm<BM> (k16 chunks in
+// order into one fp32 accumulator): rows come out bit-identical whichever kernel ran.
+constexpr int kSkBK = 64;
+constexpr int kSkLds = kSkBK + 8;
+constexpr int kSkStages = 4;
+
+__device__ __forceinline__ void gemm_skinny(const u64 a_addr, const u64 w_addr, const u64 c_addr,
+                                            const int M, const int N, const int K,
+                                            const int mode) {
+  __shared__ __align__(16) u16 As[kSkStages][16][kSkLds];
+  __shared__ __align__(16) u16 Ws[kSkStages][32][kSkLds];
+  const u16* __restrict__ A = reinterpret_cast<const u16*>(a_addr);
+  const u16* __restrict__ W = reinterpret_cast<const u16*>(w_addr);
+  const int lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.y * 16, n0 = blockIdx.x * 32;
+  const int KT = K / kSkBK;
+  constexpr int kCh = kSkBK / 8;
+  float acc[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) acc[j][k] = 0.f;
+
+  auto load = [&](int stage, int kt) {
+    const int k0 = kt * kSkBK;
+#pragma unroll
+    for (int c = lane; c < 16 * kCh; c += 32) {
+      const int r = c / kCh, kc = (c % kCh) * 8;
+      const int gr = m0 + r;
+      const u16* src = A + static_cast<i64>(gr < M ? gr : M - 1) * K + k0 + kc;
+      cp_async16(&As[stage][r][kc], src, gr < M ? 16 : 0);
+    }
+#pragma unroll
+    for (int c = lane; c < 32 * kCh; c += 32) {
+      const int r = c / kCh, kc = (c % kCh) * 8;
+      cp_async16(&Ws[stage][r][kc], W + static_cast<i64>(n0 + r) * K + k0 + kc, 16);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kSkStages - 1; ++s) {
+    if (s < KT) load(s, s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<kSkStages - 2>();
+    __syncthreads();
+    const int nk = kt + kSkStages - 1;
+    if (nk < KT) load(nk % kSkStages, nk);
+    cp_async_commit();
+    const int st = kt % kSkStages;
+#pragma unroll
+    for (int kk = 0; kk < kSkBK; kk += 16) {
+      u32 a[4];
+      a[0] = ld32(&As[st][g][kk + 2 * t]);
+      a[1] = ld32(&As[st][g + 8][kk + 2 * t]);
+      a[2] = ld32(&As[st][g][kk + 2 * t + 8]);
+      a[3] = ld32(&As[st][g + 8][kk + 2 * t + 8]);
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const u32 b0 = ld32(&Ws[st][ni * 8 + g][kk + 2 * t]);
+        const u32 b1 = ld32(&Ws[st][ni * 8 + g][kk + 2 * t + 8]);
+        mma_bf16(acc[ni], a, b0, b1);
+      }
+    }
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int ni = 0; ni < 4; ++ni) {
+    const int col = n0 + ni * 8 + 2 * t;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + g + 8 * half;
+      if (row >= M) continue;
+      const float v0 = acc[ni][2 * half], v1 = acc[ni][2 * half + 1];
+      const i64 off = static_cast<i64>(row) * N + col;
+      if (mode == 0) {
+        *reinterpret_cast<u32*>(reinterpret_cast<u16*>(c_addr) + off) = pack_bf16(v0, v1);
+      } else {
+        float2* p = reinterpret_cast<float2*>(reinterpret_cast<float*>(c_addr) + off);
+        float2 o = *p;
+        o.x += v0;
+        o.y += v1;
+        *p = o;
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------ attention
-// Copy keys [k0, k0 + 16) of one kv head into Ks/Vs; keys past `last` are zero-filled.
-// kKeyTile divides block_tokens, so a tile lies in one block.
-template <int HD>
-__device__ __forceinline__ void load_kv_tile(u16 (&Ks)[kKeyTile][HD + 8], u16 (&Vs)[kKeyTile][HD + 8],
+// Copy keys [k0, k0 + KT) of one kv head into Ks/Vs; keys past `last` are zero-filled.
+// Each key finds its block through the table (a tile may span blocks).
+template <int HD, int KT>
+__device__ __forceinline__ void load_kv_tile(u16 (&Ks)[KT][HD + 8], u16 (&Vs)[KT][HD + 8],
                                              const u16* __restrict__ kc, const u16* __restrict__ vc,
                                              const int* __restrict__ table, const int k0,
                                              const int last, const int bt, const i64 block_stride,
                                              const int kv_dim, const int kvh) {
   constexpr int kChunks = HD / 8;  // 16-byte chunks per row
-  const i64 base = static_cast<i64>(table[k0 / bt]) * block_stride +
-                   static_cast<i64>(k0 % bt) * kv_dim + static_cast<i64>(kvh) * HD;
-  for (int c = threadIdx.x; c < 2 * kKeyTile * kChunks; c += blockDim.x) {
-    const int which = c / (kKeyTile * kChunks);
-    const int rc = c % (kKeyTile * kChunks);
+  for (int c = threadIdx.x; c < 2 * KT * kChunks; c += blockDim.x) {
+    const int which = c / (KT * kChunks);
+    const int rc = c % (KT * kChunks);
     const int r = rc / kChunks, ch = rc % kChunks;
+    const int key = k0 + r;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (k0 + r <= last) {
-      const u16* src = (which ? vc : kc) + base + static_cast<i64>(r) * kv_dim + ch * 8;
-      v = *reinterpret_cast<const uint4*>(src);
+    if (key <= last) {
+      const i64 off = static_cast<i64>(table[key / bt]) * block_stride +
+                      static_cast<i64>(key % bt) * kv_dim + static_cast<i64>(kvh) * HD + ch * 8;
+      v = *reinterpret_cast<const uint4*>((which ? vc : kc) + off);
     }
     u16* dst = which ? &Vs[r][ch * 8] : &Ks[r][ch * 8];
     *reinterpret_cast<uint4*>(dst) = v;
   }
 }
 
-// One warp's 16 rows against one 16-key tile at absolute key k0: scores, masking
-// (key <= the row's position and key <= last), online softmax, O += P.V.
+// One warp's 16 rows against one KT-key tile at absolute key k0: scores, masking
+// (key <= the row's position), online softmax, O += P.V.
 // Rows g and g+8 of the warp are this lane's "lo" and "hi" rows.
-template <int HD>
+template <int HD, int KT>
 __device__ __forceinline__ void attend_tile(const u32 (&qf)[HD / 16][4],
-                                            const u16 (&Ks)[kKeyTile][HD + 8],
-                                            const u16 (&Vs)[kKeyTile][HD + 8], const int k0,
+                                            const u16 (&Ks)[KT][HD + 8],
+                                            const u16 (&Vs)[KT][HD + 8], const int k0,
                                             const int pos_lo, const int pos_hi, const float scale,
                                             float (&m)[2], float (&l)[2], float (&o)[HD / 8][4]) {
+  constexpr int NT = KT / 8;
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  float s[2][4];
+  float s[NT][4];
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
 #pragma unroll
@@ -243,7 +334,7 @@ __device__ __forceinline__ void attend_tile(const u32 (&qf)[HD / 16][4],
   }
   float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = k0 + nt * 8 + 2 * t + (e & 1);
@@ -264,28 +355,39 @@ __device__ __forceinline__ void attend_tile(const u32 (&qf)[HD / 16][4],
     alpha[hi] = exp2f(m[hi] - base[hi]);
     m[hi] = mn;
   }
-  float p[2][4];
+  float sum[2] = {0.f, 0.f};
 #pragma unroll
-  for (int nt = 0; nt < 2; ++nt)
+  for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) p[nt][e] = exp2f(s[nt][e] - base[e >> 1]);
-  l[0] = l[0] * alpha[0] + ((p[0][0] + p[0][1]) + (p[1][0] + p[1][1]));
-  l[1] = l[1] * alpha[1] + ((p[0][2] + p[0][3]) + (p[1][2] + p[1][3]));
-  u32 a[4];
-  a[0] = pack_bf16(p[0][0], p[0][1]);
-  a[1] = pack_bf16(p[0][2], p[0][3]);
-  a[2] = pack_bf16(p[1][0], p[1][1]);
-  a[3] = pack_bf16(p[1][2], p[1][3]);
+    for (int e = 0; e < 4; ++e) {
+      s[nt][e] = exp2f(s[nt][e] - base[e >> 1]);  // now p
+      sum[e >> 1] += s[nt][e];
+    }
+  }
+  l[0] = l[0] * alpha[0] + sum[0];
+  l[1] = l[1] * alpha[1] + sum[1];
 #pragma unroll
   for (int dn = 0; dn < HD / 8; ++dn) {
     o[dn][0] *= alpha[0];
     o[dn][1] *= alpha[0];
     o[dn][2] *= alpha[1];
     o[dn][3] *= alpha[1];
-    const int d = dn * 8 + g;
-    const u32 b0 = static_cast<u32>(Vs[2 * t][d]) | (static_cast<u32>(Vs[2 * t + 1][d]) << 16);
-    const u32 b1 = static_cast<u32>(Vs[2 * t + 8][d]) | (static_cast<u32>(Vs[2 * t + 9][d]) << 16);
-    mma_bf16(o[dn], a, b0, b1);
+  }
+#pragma unroll
+  for (int kc = 0; kc < KT / 16; ++kc) {
+    u32 a[4];
+    a[0] = pack_bf16(s[2 * kc][0], s[2 * kc][1]);
+    a[1] = pack_bf16(s[2 * kc][2], s[2 * kc][3]);
+    a[2] = pack_bf16(s[2 * kc + 1][0], s[2 * kc + 1][1]);
+    a[3] = pack_bf16(s[2 * kc + 1][2], s[2 * kc + 1][3]);
+    const int k = kc * 16 + 2 * t;
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; ++dn) {
+      const int d = dn * 8 + g;
+      const u32 b0 = static_cast<u32>(Vs[k][d]) | (static_cast<u32>(Vs[k + 1][d]) << 16);
+      const u32 b1 = static_cast<u32>(Vs[k + 8][d]) | (static_cast<u32>(Vs[k + 9][d]) << 16);
+      mma_bf16(o[dn], a, b0, b1);
+    }
   }
 }
 
@@ -318,14 +420,14 @@ __device__ __forceinline__ void zero_state(float (&m)[2], float (&l)[2], float (
 
 // Prefill: CTA (work item, kv head), one warp per query head of the group.
 // work: int4 per item (row0, nrows, qpos0, table offset).
-template <int HD>
+template <int HD, int KT>
 __device__ __forceinline__ void attn_prefill(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                              const u64 vc_addr, const i64 block_stride,
                                              const int bt, const int kv_heads, const int group,
                                              const u64 work_addr, const u64 tables_addr,
                                              const u64 out_addr, const float scale) {
-  __shared__ __align__(16) u16 Ks[kKeyTile][HD + 8];
-  __shared__ __align__(16) u16 Vs[kKeyTile][HD + 8];
+  __shared__ __align__(16) u16 Ks[KT][HD + 8];
+  __shared__ __align__(16) u16 Vs[KT][HD + 8];
   const int* wk = reinterpret_cast<const int*>(work_addr) + 4 * blockIdx.x;
   const int row0 = wk[0], nrows = wk[1], qpos0 = wk[2];
   const int* table = reinterpret_cast<const int*>(tables_addr) + wk[3];
@@ -344,11 +446,11 @@ __device__ __forceinline__ void attn_prefill(const u64 qkv_addr, const int ld, c
   const int last = qpos0 + nrows - 1;
   float m[2], l[2], o[HD / 8][4];
   zero_state<HD>(m, l, o);
-  for (int k0 = 0; k0 <= last; k0 += kKeyTile) {
+  for (int k0 = 0; k0 <= last; k0 += KT) {
     __syncthreads();
-    load_kv_tile<HD>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
+    load_kv_tile<HD, KT>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
     __syncthreads();
-    attend_tile<HD>(qf, Ks, Vs, k0, pos_lo, pos_hi, scale, m, l, o);
+    attend_tile<HD, KT>(qf, Ks, Vs, k0, pos_lo, pos_hi, scale, m, l, o);
   }
   u16* out = reinterpret_cast<u16*>(out_addr);
   const int qdim = kv_heads * group * HD;
@@ -372,15 +474,15 @@ __device__ __forceinline__ void attn_prefill(const u64 qkv_addr, const int ld, c
 // Decode: CTA = one warp per (split, kv head); its rows are the group's query heads
 // of one token. work: 5 ints per split (row, key begin, key end, table offset,
 // partial index). Writes the unnormalised partial O and (max, sum) per head.
-template <int HD>
+template <int HD, int KT>
 __device__ __forceinline__ void attn_decode(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                             const u64 vc_addr, const i64 block_stride,
                                             const int bt, const int kv_heads, const int group,
                                             const u64 work_addr, const u64 tables_addr,
                                             const u64 part_o_addr, const u64 part_ml_addr,
                                             const float scale) {
-  __shared__ __align__(16) u16 Ks[kKeyTile][HD + 8];
-  __shared__ __align__(16) u16 Vs[kKeyTile][HD + 8];
+  __shared__ __align__(16) u16 Ks[KT][HD + 8];
+  __shared__ __align__(16) u16 Vs[KT][HD + 8];
   const int* wk = reinterpret_cast<const int*>(work_addr) + 5 * blockIdx.x;
   const int row = wk[0], kbeg = wk[1], kend = wk[2], pidx = wk[4];
   const int* table = reinterpret_cast<const int*>(tables_addr) + wk[3];
@@ -408,11 +510,11 @@ __device__ __forceinline__ void attn_decode(const u64 qkv_addr, const int ld, co
   const int kv_dim = kv_heads * HD;
   float m[2], l[2], o[HD / 8][4];
   zero_state<HD>(m, l, o);
-  for (int k0 = kbeg; k0 <= last; k0 += kKeyTile) {
+  for (int k0 = kbeg; k0 <= last; k0 += KT) {
     __syncwarp();
-    load_kv_tile<HD>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
+    load_kv_tile<HD, KT>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
     __syncwarp();
-    attend_tile<HD>(qf, Ks, Vs, k0, last, last, scale, m, l, o);
+    attend_tile<HD, KT>(qf, Ks, Vs, k0, last, last, scale, m, l, o);
   }
   const int heads = kv_heads * group;
   float* po = reinterpret_cast<float*>(part_o_addr);
@@ -446,30 +548,38 @@ kvflow_gemm_bm64(const u64 a, const u64 w, const u64 c, const int M, const int N
   gemm<64>(a, w, c, M, N, K, mode);
 }
 
+extern "C" __global__ void __launch_bounds__(32)
+kvflow_gemm_skinny(const u64 a, const u64 w, const u64 c, const int M, const int N, const int K,
+                   const int mode) {
+  gemm_skinny(a, w, c, M, N, K, mode);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 kvflow_gemm_bm128(const u64 a, const u64 w, const u64 c, const int M, const int N, const int K,
                   const int mode) {
   gemm<128>(a, w, c, M, N, K, mode);
 }
 
-#define KVFLOW_ATTN(HD)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) kvflow_attn_prefill_hd##HD(                  \
+#define KVFLOW_ATTN(HD, KT)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) kvflow_attn_prefill_hd##HD##_k##KT(          \
       const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,           \
       const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,       \
       const u64 out, const float scale) {                                                        \
-    attn_prefill<HD>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables, out,      \
-                     scale);                                                                     \
+    attn_prefill<HD, KT>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables, out,  \
+                         scale);                                                                 \
   }                                                                                              \
-  extern "C" __global__ void __launch_bounds__(32) kvflow_attn_decode_hd##HD(                    \
+  extern "C" __global__ void __launch_bounds__(32) kvflow_attn_decode_hd##HD##_k##KT(            \
       const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,           \
       const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,       \
       const u64 part_o, const u64 part_ml, const float scale) {                                  \
-    attn_decode<HD>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables, part_o,    \
-                    part_ml, scale);                                                             \
+    attn_decode<HD, KT>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables,        \
+                        part_o, part_ml, scale);                                                 \
   }
 
-KVFLOW_ATTN(64)
-KVFLOW_ATTN(128)
+KVFLOW_ATTN(64, 16)
+KVFLOW_ATTN(64, 32)
+KVFLOW_ATTN(128, 16)
+KVFLOW_ATTN(128, 32)
 
 // Merge decode splits in split order: one warp per (decode item, query head).
 // comb: 3 ints per item (row, first partial, splits). out: bf16 [tokens, heads * hd].

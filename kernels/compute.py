@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -39,15 +40,26 @@ from kernels.model import (
     pack_step,
     packed_size,
 )
-from kvflow.errors import TransferError
+from kvflow.errors import ConfigError, TransferError
 
 _H2D = 1  # cudaMemcpyHostToDevice
 _LOG2E = 1.4426950408889634
 #: Rows from which the GEMM uses 128-row tiles (same numbers either way, see compute.cu).
 _BM128_FROM = 512
 
-_KERNELS = ("kvflow_gemm_bm64", "kvflow_gemm_bm128", "kvflow_attn_combine", "kvflow_embed",
-            "kvflow_rmsnorm", "kvflow_kv_write", "kvflow_silu_mul", "kvflow_final")
+#: Rows up to which the skinny (decode) GEMM runs, when enabled.
+_SKINNY_UPTO = 64
+
+_KERNELS = ("kvflow_gemm_bm64", "kvflow_gemm_bm128", "kvflow_gemm_skinny", "kvflow_attn_combine",
+            "kvflow_embed", "kvflow_rmsnorm", "kvflow_kv_write", "kvflow_silu_mul",
+            "kvflow_final")
+
+
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip() or default
+    if value not in allowed:
+        raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:
@@ -89,12 +101,17 @@ class GpuExecutor(PagedExecutorBase):
     ``max_tokens``: tokens per step the workspace is sized for up front (it
     grows if a step needs more). ``record_rows``: also keep each sampled
     token's final hidden row (float32), for comparison with the numpy reference.
+    ``attn_keys``: keys per attention tile, 16 or 32 (numbers differ between the
+    two, never between batchings); ``skinny``: steps of at most 64 tokens use
+    the decode GEMM (same numbers). Both default to ``KVFLOW_ATTN_KEYS`` /
+    ``KVFLOW_GEMM_SKINNY`` from the environment, else 32 / on.
     Call from the event loop's thread.
     """
 
     def __init__(self, backend: CudaBackend, *, seed: int = 0, max_tokens: int = 1024,
                  decode_split: int = DECODE_SPLIT, record_rows: bool = False,
-                 weights: list[dict[str, Any]] | None = None) -> None:
+                 weights: list[dict[str, Any]] | None = None, attn_keys: int | None = None,
+                 skinny: bool | None = None) -> None:
         cp = cupy_module()
         self._cp = cp
         shape = ModelShape.from_spec(backend.spec)
@@ -113,9 +130,16 @@ class GpuExecutor(PagedExecutorBase):
             self._notify = cp.cuda.Stream(non_blocking=True)
             mod = load_module("compute.cu", self.device)
             hd = shape.head_dim
+            if attn_keys is None:
+                attn_keys = int(_env_choice("KVFLOW_ATTN_KEYS", "32", ("16", "32")))
+            if attn_keys not in (16, 32):
+                raise ConfigError(f"attn_keys must be 16 or 32, got {attn_keys!r}")
+            if skinny is None:
+                skinny = _env_choice("KVFLOW_GEMM_SKINNY", "1", ("0", "1")) == "1"
+            self.attn_keys, self.skinny = attn_keys, skinny
             self._fn = {name: mod.get_function(name) for name in _KERNELS}
-            self._fn["prefill"] = mod.get_function(f"kvflow_attn_prefill_hd{hd}")
-            self._fn["decode"] = mod.get_function(f"kvflow_attn_decode_hd{hd}")
+            self._fn["prefill"] = mod.get_function(f"kvflow_attn_prefill_hd{hd}_k{attn_keys}")
+            self._fn["decode"] = mod.get_function(f"kvflow_attn_decode_hd{hd}_k{attn_keys}")
             self.weights = weights if weights is not None else make_weights(shape, seed)
             self._kc = [int(backend.device_kv(i, "k").data.ptr) for i in range(shape.num_layers)]
             self._vc = [int(backend.device_kv(i, "v").data.ptr) for i in range(shape.num_layers)]
@@ -276,11 +300,15 @@ class GpuExecutor(PagedExecutorBase):
 
     def _gemm(self, a: np.uint64, w: Any, c: np.uint64, m: int, n: int, k: int,
               mode: int) -> None:
+        args = (a, np.uint64(w.data.ptr), c, np.int32(m), np.int32(n), np.int32(k),
+                np.int32(mode))
+        if self.skinny and m <= _SKINNY_UPTO:
+            self._fn["kvflow_gemm_skinny"]((n // 32, -(-m // 16)), (32,), args,
+                                           stream=self.stream)
+            return
         bm = 128 if m >= _BM128_FROM else 64
         fn = self._fn["kvflow_gemm_bm128" if bm == 128 else "kvflow_gemm_bm64"]
-        fn((n // 64, -(-m // bm)), (2 * bm,),
-           (a, np.uint64(w.data.ptr), c, np.int32(m), np.int32(n), np.int32(k), np.int32(mode)),
-           stream=self.stream)
+        fn((n // 64, -(-m // bm)), (2 * bm,), args, stream=self.stream)
 
     def _rmsnorm(self, h: np.uint64, x: np.uint64, rows: int) -> None:
         self._fn["kvflow_rmsnorm"]((-(-rows // 8),), (256,),

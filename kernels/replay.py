@@ -103,7 +103,9 @@ def env_backend_options() -> dict[str, Any]:
     if not value or value == "default":
         return {}
     if value == "highest":
-        return {"stream_priority": cupy_module().cuda.runtime.deviceGetStreamPriorityRange()[1]}
+        from kernels.backend import HIGHEST_PRIORITY
+
+        return {"stream_priority": HIGHEST_PRIORITY}
     try:
         return {"stream_priority": int(value)}
     except ValueError:

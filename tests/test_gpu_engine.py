@@ -389,6 +389,38 @@ def test_gpu_compute_waits_for_the_load_on_the_device() -> None:
     _run_uvloop(go)
 
 
+@gpu
+@pytest.mark.gpu
+def test_gpu_gemm_rows_bit_identical_across_kernels() -> None:
+    """The skinny, 64-row and 128-row GEMMs give a row the very same bits (and the right ones)."""
+    import cupy as cp
+
+    from kernels.backend import CudaBackend
+    from kernels.compute import GpuExecutor, to_bf16
+
+    ex = GpuExecutor(CudaBackend(SPEC, 4, 1), seed=3, max_tokens=16)
+    w = ex.weights[0]["wgu"]
+    n, k = w.shape
+    rows = to_bf16(cp.random.standard_normal((700, k), dtype=cp.float32))
+    outs = {}
+    for m in (20, 100, 700):  # skinny, bm64, bm128
+        for mode in (0, 1):
+            out = cp.zeros((m, n), cp.uint16 if mode == 0 else cp.float32)
+            cp.cuda.runtime.deviceSynchronize()
+            ex._gemm(np.uint64(rows.data.ptr), w, np.uint64(out.data.ptr), m, n, k, mode)
+            ex.stream.synchronize()
+            outs[m, mode] = out[:20].get()
+    for mode in (0, 1):
+        for m in (100, 700):
+            np.testing.assert_array_equal(outs[m, mode].view(np.uint32 if mode else np.uint16),
+                                          outs[20, mode].view(np.uint32 if mode else np.uint16))
+    a = (rows[:20].get().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    b = (w.get().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    ref = a @ b.T
+    got = outs[20, 1].astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_gpu_tests_skip_cleanly_without_a_gpu() -> None:
     if _GPU is None:
         pytest.skip("a GPU is present")
