@@ -1,8 +1,11 @@
 """Layer-wise swap-in behind compute: transfer alone, compute alone, both together.
 
-A request's cached prefix (k blocks of the model, all layers) sits in pinned
-host memory; its next prefill chunk of n tokens attends to it. Measured with
-CUDA events (median of ``--reps`` after a warm-up):
+Requests' cached prefixes (blocks of the model, all layers) sit in pinned host
+memory; one swap-in brings them back while the step computing each request's
+next n tokens runs, attending to them. Two cases: a batch (8 requests x 2
+blocks: attention is short, the step is GEMM work) and one long context (1 x 16
+blocks: the step is attention over 8k keys for few queries, latency-bound).
+Measured with CUDA events (median of ``--reps`` after a warm-up):
 
   transfer  the swap-in alone (``CudaBackend``: one launch + event per layer)
   compute   the step alone, the prefix already on the device (``GpuExecutor``)
@@ -16,8 +19,8 @@ overlap efficiency = (transfer + compute - together) / min(transfer, compute):
 still pays one layer of the shorter side, so the ceiling is about (L-1)/L.
 Also reported: the CPU time to enqueue the step (it never waits on a layer)
 against the time the GPU takes. n is picked so that compute is close to the
-transfer, then n/2 and 2n are shown too; every row runs with the copy streams
-at the default priority and at the highest.
+transfer, then n/2 and 2n are shown too; the batch case runs with the copy
+streams at the default priority and at the highest.
 
 Run: PYTHONPATH=. python benchmarks/bench_overlap.py [--json out.json]
 """
@@ -41,23 +44,25 @@ from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
 
 
-async def run(model: str, block_tokens: int, k: int, reps: int, priority: int | None,
-              sizes: list[int] | None) -> dict[str, Any]:
+async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: int,
+              priority: int | None, sizes: list[int] | None) -> dict[str, Any]:
+    """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in."""
     cp = cupy_module()
     spec = preset(model, block_tokens=block_tokens)
     bt = block_tokens
-    extra = 16  # blocks for the new tokens (up to 16 * bt)
-    backend = CudaBackend(spec, k + extra + 1, k, stream_priority=priority)
-    ex = GpuExecutor(backend, seed=0, max_tokens=extra * bt)
-    await ex.warm_up(block=k + extra)
-    keys = list(range(k + extra))
-    prefix = prompt_tokens(keys, "r", bt, 0, k * bt)
-    table = np.arange(k + extra, dtype=np.int32)
-    # the prefix's KV: computed on the device, copied to host blocks 0..k-1
-    for start in range(0, k, 8):
-        m = min(8, k - start)
-        await ex.run_items([StepItem("r", False, prefix[start * bt:(start + m) * bt],
-                                     start * bt, table, False)])
+    extra = 2  # blocks per request for its new tokens (up to 2 * bt)
+    k = requests * blocks
+    backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority)
+    ex = GpuExecutor(backend, seed=0, max_tokens=requests * extra * bt)
+    await ex.warm_up(block=k + requests * extra)
+    keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
+    tables = [np.array([*range(r * blocks, (r + 1) * blocks),
+                        *range(k + r * extra, k + (r + 1) * extra)], dtype=np.int32)
+              for r in range(requests)]
+    # each request's prefix: computed on the device, then copied to host blocks 0..k-1
+    for r in range(requests):
+        toks = prompt_tokens(keys[r], r, bt, 0, blocks * bt)
+        await ex.run_items([StepItem(r, False, toks, 0, tables[r], False)])
     out = BackendTask(backend, TransferOp(1, OpKind.EVICT, Tier.DEVICE, Tier.HOST,
                                           list(range(k)), list(range(k)), []))
     await out.wait()
@@ -69,9 +74,10 @@ async def run(model: str, block_tokens: int, k: int, reps: int, priority: int | 
         return BackendTask(backend, TransferOp(op_id[0], OpKind.SWAP_IN, Tier.HOST,
                                                Tier.DEVICE, ids, ids, []))
 
-    def item(n: int) -> StepItem:
-        toks = prompt_tokens(keys, "r", bt, k * bt, k * bt + n)
-        return StepItem("r", False, toks, k * bt, table, True)
+    def items(n: int) -> list[StepItem]:
+        pos = blocks * bt
+        return [StepItem(r, False, prompt_tokens(keys[r], r, bt, pos, pos + n), pos, tables[r],
+                         True) for r in range(requests)]
 
     async def transfer_alone() -> float:
         a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -82,14 +88,14 @@ async def run(model: str, block_tokens: int, k: int, reps: int, priority: int | 
         return cp.cuda.get_elapsed_time(a, b) / 1e3
 
     async def compute_alone(n: int) -> float:
-        await ex.run_items([item(n)])
+        await ex.run_items(items(n))
         return ex.last_gpu_s
 
     async def together(n: int) -> tuple[float, float]:
         a = cp.cuda.Event()
         a.record(backend.load_stream)
         t = load()
-        await ex.run_items([item(n)], [t])
+        await ex.run_items(items(n), [t])
         assert t.ok
         return cp.cuda.get_elapsed_time(a, ex._ev_end) / 1e3, ex.last_enqueue_s
 
@@ -101,7 +107,7 @@ async def run(model: str, block_tokens: int, k: int, reps: int, priority: int | 
 
     t_x = await median(transfer_alone)
     if sizes is None:  # compute ~ transfer: scan n, keep the closest
-        cands = [n for n in (64, 128, 256, 512, 1024, 2048, 4096, 8192) if n <= extra * bt]
+        cands = [n for n in (8, 16, 32, 64, 128, 256, 512, 1024) if n <= extra * bt]
         comp: dict[int, float] = {}
         for n in cands:
             comp[n] = await median(compute_alone, n)
@@ -119,34 +125,44 @@ async def run(model: str, block_tokens: int, k: int, reps: int, priority: int | 
                      "efficiency": eff, "enqueue_s": enq})
     backend.synchronize()
     return {"model": spec.name, "layers": spec.num_layers, "block_tokens": bt,
-            "cached_blocks": k, "bytes": k * spec.bytes_per_block,
-            "stream_priority": priority, "rows": rows}
+            "requests": requests, "blocks_per_request": blocks, "cached_blocks": k,
+            "bytes": k * spec.bytes_per_block, "stream_priority": priority, "rows": rows}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--block-tokens", type=int, default=512)
-    ap.add_argument("--blocks", type=int, default=16, help="cached blocks loaded (k)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="the batch case only")
     args = ap.parse_args()
+    # (label, requests, cached blocks each, stream priorities)
+    cases = [("batch", 8, 2, (None, HIGHEST_PRIORITY)), ("long context", 1, 16,
+                                                          (HIGHEST_PRIORITY,))]
+    if args.quick:
+        cases = cases[:1]
     results = []
-    sizes = None
-    for prio in (None, HIGHEST_PRIORITY):
-        r = asyncio.run(run(args.model, args.block_tokens, args.blocks, args.reps, prio, sizes))
-        sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for both priorities
-        results.append(r)
-    print(f"\n{results[0]['model']} ({results[0]['layers']} layers), {args.blocks} cached blocks "
-          f"of {args.block_tokens} tokens ({results[0]['bytes'] / 2**30:.2f} GiB) loaded while "
-          "the next chunk computes")
-    print("| copy stream priority | new tokens | transfer ms | compute ms | together ms | "
-          "overlap efficiency | CPU enqueue ms |")
-    print("|---|---|---|---|---|---|---|")
+    for label, reqs, blocks, prios in cases:
+        sizes = None
+        for prio in prios:
+            r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
+                                sizes))
+            sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for each priority
+            r["case"] = label
+            results.append(r)
+    print(f"\n{results[0]['model']} ({results[0]['layers']} layers, {args.block_tokens}-token "
+          "blocks): one swap-in of the cached blocks, then at once the step computing each "
+          "request's next tokens")
+    print("| case | copy streams | new tokens per request | transfer ms | compute ms | "
+          "together ms | overlap efficiency | CPU enqueue ms |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
+        case = (f"{r['case']}: {r['requests']} x {r['blocks_per_request']} blocks "
+                f"({r['bytes'] / 2**30:.2f} GiB)")
         for row in r["rows"]:
-            print(f"| {'default' if r['stream_priority'] is None else 'highest'} | "
-                  f"{row['new_tokens']} | {row['transfer_s'] * 1e3:.2f} | "
+            print(f"| {case} | {'default' if r['stream_priority'] is None else 'highest'} "
+                  f"priority | {row['new_tokens']} | {row['transfer_s'] * 1e3:.2f} | "
                   f"{row['compute_s'] * 1e3:.2f} | {row['together_s'] * 1e3:.2f} | "
                   f"{row['efficiency']:.1%} | {row['enqueue_s'] * 1e3:.2f} |")
     if args.json:

@@ -222,7 +222,7 @@ def main() -> int:
         def mid(r: dict[str, Any]) -> float:
             rows = r["rows"]
             return rows[len(rows) // 2]["efficiency"]
-        best = max(overlap, key=mid)
+        best = max([r for r in overlap if r.get("case", "batch") == "batch"] or overlap, key=mid)
         priority = "default" if best["stream_priority"] is None else "highest"
     say(f"\ncopy streams for calibration and replays: priority {priority}")
     env = {"KVFLOW_STREAM_PRIORITY": priority, **kernel_env}
@@ -270,7 +270,8 @@ def main() -> int:
     if overlap:
         for r in overlap:
             for row in r["rows"]:
-                say(f"overlap prio={r['stream_priority']}: n={row['new_tokens']} transfer "
+                say(f"overlap {r.get('case')} prio={r['stream_priority']}: "
+                    f"n={row['new_tokens']} transfer "
                     f"{row['transfer_s'] * 1e3:.2f} ms compute {row['compute_s'] * 1e3:.2f} ms "
                     f"together {row['together_s'] * 1e3:.2f} ms eff {row['efficiency']:.1%} "
                     f"enqueue {row['enqueue_s'] * 1e3:.2f} ms")

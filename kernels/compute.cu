@@ -284,28 +284,28 @@ __device__ __forceinline__ void gemm_skinny(const u64 a_addr, const u64 w_addr, 
 }
 
 // ------------------------------------------------------------------------ attention
-// Copy keys [k0, k0 + KT) of one kv head into Ks/Vs; keys past `last` are zero-filled.
-// Each key finds its block through the table (a tile may span blocks).
+// Copy keys [k0, k0 + KT) of one kv head into Ks/Vs with cp.async, zero-filling keys past
+// `last`; each key finds its block through the table (a tile may span blocks). The
+// caller commits and waits, so the next tile streams in while this one is computed.
 template <int HD, int KT>
-__device__ __forceinline__ void load_kv_tile(u16 (&Ks)[KT][HD + 8], u16 (&Vs)[KT][HD + 8],
-                                             const u16* __restrict__ kc, const u16* __restrict__ vc,
-                                             const int* __restrict__ table, const int k0,
-                                             const int last, const int bt, const i64 block_stride,
-                                             const int kv_dim, const int kvh) {
-  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+__device__ __forceinline__ void load_kv_tile_async(u16 (&Ks)[KT][HD + 8], u16 (&Vs)[KT][HD + 8],
+                                                   const u16* __restrict__ kc,
+                                                   const u16* __restrict__ vc,
+                                                   const int* __restrict__ table, const int k0,
+                                                   const int last, const int bt,
+                                                   const i64 block_stride, const int kv_dim,
+                                                   const int kvh) {
+  constexpr int kChunks = HD / 8;
   for (int c = threadIdx.x; c < 2 * KT * kChunks; c += blockDim.x) {
     const int which = c / (KT * kChunks);
     const int rc = c % (KT * kChunks);
     const int r = rc / kChunks, ch = rc % kChunks;
     const int key = k0 + r;
-    uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (key <= last) {
-      const i64 off = static_cast<i64>(table[key / bt]) * block_stride +
-                      static_cast<i64>(key % bt) * kv_dim + static_cast<i64>(kvh) * HD + ch * 8;
-      v = *reinterpret_cast<const uint4*>((which ? vc : kc) + off);
-    }
-    u16* dst = which ? &Vs[r][ch * 8] : &Ks[r][ch * 8];
-    *reinterpret_cast<uint4*>(dst) = v;
+    const int src_key = key <= last ? key : last;  // a valid address; no bytes read past last
+    const i64 off = static_cast<i64>(table[src_key / bt]) * block_stride +
+                    static_cast<i64>(src_key % bt) * kv_dim + static_cast<i64>(kvh) * HD + ch * 8;
+    cp_async16(which ? &Vs[r][ch * 8] : &Ks[r][ch * 8], (which ? vc : kc) + off,
+               key <= last ? 16 : 0);
   }
 }
 
@@ -426,8 +426,8 @@ __device__ __forceinline__ void attn_prefill(const u64 qkv_addr, const int ld, c
                                              const int bt, const int kv_heads, const int group,
                                              const u64 work_addr, const u64 tables_addr,
                                              const u64 out_addr, const float scale) {
-  __shared__ __align__(16) u16 Ks[KT][HD + 8];
-  __shared__ __align__(16) u16 Vs[KT][HD + 8];
+  __shared__ __align__(16) u16 Ks[2][KT][HD + 8];
+  __shared__ __align__(16) u16 Vs[2][KT][HD + 8];
   const int* wk = reinterpret_cast<const int*>(work_addr) + 4 * blockIdx.x;
   const int row0 = wk[0], nrows = wk[1], qpos0 = wk[2];
   const int* table = reinterpret_cast<const int*>(tables_addr) + wk[3];
@@ -446,12 +446,22 @@ __device__ __forceinline__ void attn_prefill(const u64 qkv_addr, const int ld, c
   const int last = qpos0 + nrows - 1;
   float m[2], l[2], o[HD / 8][4];
   zero_state<HD>(m, l, o);
-  for (int k0 = 0; k0 <= last; k0 += KT) {
+  // Double-buffered: tile i+1 is in flight while tile i is computed.
+  load_kv_tile_async<HD, KT>(Ks[0], Vs[0], kc, vc, table, 0, last, bt, block_stride, kv_dim,
+                             kvh);
+  cp_async_commit();
+  for (int k0 = 0, i = 0; k0 <= last; k0 += KT, ++i) {
+    if (k0 + KT <= last) {
+      load_kv_tile_async<HD, KT>(Ks[(i + 1) & 1], Vs[(i + 1) & 1], kc, vc, table, k0 + KT, last,
+                                 bt, block_stride, kv_dim, kvh);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
     __syncthreads();
-    load_kv_tile<HD, KT>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
-    __syncthreads();
-    attend_tile<HD, KT>(qf, Ks, Vs, k0, pos_lo, pos_hi, scale, m, l, o);
+    attend_tile<HD, KT>(qf, Ks[i & 1], Vs[i & 1], k0, pos_lo, pos_hi, scale, m, l, o);
+    __syncthreads();  // everyone is done with this buffer before it is refilled
   }
+  cp_async_wait<0>();
   u16* out = reinterpret_cast<u16*>(out_addr);
   const int qdim = kv_heads * group * HD;
 #pragma unroll
@@ -481,8 +491,8 @@ __device__ __forceinline__ void attn_decode(const u64 qkv_addr, const int ld, co
                                             const u64 work_addr, const u64 tables_addr,
                                             const u64 part_o_addr, const u64 part_ml_addr,
                                             const float scale) {
-  __shared__ __align__(16) u16 Ks[KT][HD + 8];
-  __shared__ __align__(16) u16 Vs[KT][HD + 8];
+  __shared__ __align__(16) u16 Ks[2][KT][HD + 8];
+  __shared__ __align__(16) u16 Vs[2][KT][HD + 8];
   const int* wk = reinterpret_cast<const int*>(work_addr) + 5 * blockIdx.x;
   const int row = wk[0], kbeg = wk[1], kend = wk[2], pidx = wk[4];
   const int* table = reinterpret_cast<const int*>(tables_addr) + wk[3];
@@ -510,12 +520,21 @@ __device__ __forceinline__ void attn_decode(const u64 qkv_addr, const int ld, co
   const int kv_dim = kv_heads * HD;
   float m[2], l[2], o[HD / 8][4];
   zero_state<HD>(m, l, o);
-  for (int k0 = kbeg; k0 <= last; k0 += KT) {
-    __syncwarp();
-    load_kv_tile<HD, KT>(Ks, Vs, kc, vc, table, k0, last, bt, block_stride, kv_dim, kvh);
-    __syncwarp();
-    attend_tile<HD, KT>(qf, Ks, Vs, k0, last, last, scale, m, l, o);
+  load_kv_tile_async<HD, KT>(Ks[0], Vs[0], kc, vc, table, kbeg, last, bt, block_stride, kv_dim,
+                             kvh);
+  cp_async_commit();
+  for (int k0 = kbeg, i = 0; k0 <= last; k0 += KT, ++i) {
+    if (k0 + KT <= last) {
+      load_kv_tile_async<HD, KT>(Ks[(i + 1) & 1], Vs[(i + 1) & 1], kc, vc, table, k0 + KT, last,
+                                 bt, block_stride, kv_dim, kvh);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    attend_tile<HD, KT>(qf, Ks[i & 1], Vs[i & 1], k0, last, last, scale, m, l, o);
+    __syncthreads();
   }
+  cp_async_wait<0>();
   const int heads = kv_heads * group;
   float* po = reinterpret_cast<float*>(part_o_addr);
   float* pml = reinterpret_cast<float*>(part_ml_addr);

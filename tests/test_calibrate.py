@@ -66,11 +66,14 @@ def test_fit_roofline_recovers_mfu_and_mbu() -> None:
     pts = []
     for pre, dec in batches:
         f, b = step_terms(SPEC, pre, dec)
-        t = roofline(StepPoint("", f, b, 0.0), 4, peak, hbm, 0.21, 0.63)
+        t = roofline(StepPoint("", f, b, 0.0), 4, peak, hbm, 0.21, 0.63, 1.5e-3)
         pts.append(StepPoint("", f, b, t))
-    mfu, mbu, rms = fit_roofline(pts, 4, peak, hbm)
-    assert mfu == pytest.approx(0.21, rel=0.01) and mbu == pytest.approx(0.63, rel=0.01)
-    assert rms < 0.01
+    mfu, mbu, fixed, rms = fit_roofline(pts, 4, peak, hbm)
+    assert mfu == pytest.approx(0.21, rel=0.02) and mbu == pytest.approx(0.63, rel=0.02)
+    assert fixed == pytest.approx(1.5e-3, rel=0.05) and rms < 0.01
+    # with the fixed term held at 0, the efficiencies absorb it (and fit worse)
+    _, mbu0, fixed0, rms0 = fit_roofline(pts, 4, peak, hbm, overheads=[0.0])
+    assert fixed0 == 0.0 and rms0 > rms and mbu0 < 0.63
 
 
 def test_written_profile_loads_with_the_measured_values(tmp_path: Path) -> None:
