@@ -382,8 +382,14 @@ class Engine:
         if not plan.computing:
             return
         position = {id(n): i for i, n in enumerate(plan.nodes)}
-        first = min((position[id(n)] for n in plan.computing if id(n) in position),
-                    default=None)
+        redo = [position[id(n)] for n in plan.computing if id(n) in position]
+        # A failed load was ordered after copies still reading its device block
+        # (a copy-out of what the block held before); one that failed before it
+        # ran no longer holds them back, so the recompute waits for them itself.
+        for t in self.runtime.pending_readers(Tier.DEVICE, [plan.device_ids[i] for i in redo]):
+            if t not in st.tasks:
+                st.tasks.append(t)
+        first = min(redo, default=None)
         if first is None:
             return
         start = min(st.prefilled, first * self.config.block_tokens)
