@@ -158,8 +158,14 @@ class PrefixIndex:
         return node
 
     def _remove(self, node: Node) -> None:
-        """Forget a node left with no copy (only leaves ever are)."""
-        assert node.children == 0 and node.ref == 0, node
+        """Forget a node left with no copy (only leaves ever are).
+
+        It may still be referenced, by a waiting request's reservation only
+        (plans always hold a device copy): a failed copy took its last copy,
+        e.g. a store write failing under the arrival prefetch reading it back.
+        Releasing the reservation then unrefs a node no longer indexed: harmless.
+        """
+        assert node.children == 0, node
         del self.nodes[node.key]
         if node.parent is not None:
             node.parent.children -= 1
