@@ -201,7 +201,11 @@ async def test_disk_full_mid_run_fails_writes_then_recovers(tmp_path: Path,
 async def test_a_store_evicting_behind_the_manager_costs_misses_not_data(
         tmp_path: Path) -> None:
     """The store's own LRU (a quota far below the manager's storage tier) drops blocks
-    the manager still believes stored: reads miss, requests recompute."""
+    the manager still believes stored: reads miss, requests recompute.
+
+    No storage hits are asserted for the second pass: the store never comes back
+    here, and the manager keeps its stale storage entries (a read miss does not
+    drop them yet), so which of the few surviving blobs get read is luck."""
     blob = SPEC.bytes_per_block + 256
     store = LocalDirStore(tmp_path, NS, capacity_bytes=24 * blob)
     try:
@@ -211,7 +215,6 @@ async def test_a_store_evicting_behind_the_manager_costs_misses_not_data(
     assert store.stats.evictions > 0
     assert r1["errors"]["store_read_misses"] + r2["errors"]["store_read_misses"] > 0
     assert r1["errors"]["recomputed_blocks"] + r2["errors"]["recomputed_blocks"] > 0
-    assert_hits_storage(r2)
 
 
 # -------------------------------------------------------------------------- slow store
