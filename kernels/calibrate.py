@@ -498,10 +498,16 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     return {"points": points, "gemm": gemm, "attention_flops": att}
 
 
-async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 16,
-                                input_len: int = 2048, output_len: int = 48,
+async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
+                                output_len: int = 32,
                                 stream_priority: int | None = None) -> dict[str, Any]:
-    """Wall time minus GPU time per step, over a small engine run (decode-heavy)."""
+    """An engine run: wall time minus GPU time per step, and every step as a fit point.
+
+    Requests of 1k..8k prompt tokens (all at once) then decode together: chunked
+    prefills, mixed steps, and decode batches shrinking from 24 as they finish.
+    Steps taken by the engine are what the simulator must predict, so they join
+    the synthetic grid in the fit (their GPU time, plus the mean host share).
+    """
     from kernels.backend import CudaBackend
     from kernels.compute import GpuExecutor
     from kvflow.engine import Engine, EngineConfig, EngineRequest
@@ -510,19 +516,20 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 16,
 
     loop = asyncio.get_running_loop()
     bt = spec.block_tokens
-    per = -(-(input_len + output_len) // bt)
-    caps = Capacities(requests * per + 8)
+    lens = [1024 * (1 + i % 8) for i in range(requests)]
+    caps = Capacities(sum(-(-(n + output_len) // bt) for n in lens) + 8)
     backend = CudaBackend(spec, caps.device, 1, stream_priority=stream_priority)
     ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 256)
     await ex.warm_up(block=caps.device - 1)
     manager = CacheManager(caps)
     runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, ex, EngineConfig(bt, 8192, 256))
+    ex.step_log = []
     t0 = loop.time()
     busy0 = ex.busy_s
-    for i in range(requests):
-        keys = tuple(("cal", i, b) for b in range(-(-input_len // bt)))
-        engine.add(EngineRequest(i, 0.0, keys, input_len, output_len))
+    for i, n in enumerate(lens):
+        keys = tuple(("cal", i, b) for b in range(-(-n // bt)))
+        engine.add(EngineRequest(i, 0.0, keys, n, output_len))
     engine.close()
     await engine.run()
     wall = loop.time() - t0
@@ -531,7 +538,13 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 16,
     overhead = max(wall - busy, 0.0) / steps
     log(f"engine run: {steps} steps in {wall:.3f} s, GPU busy {busy:.3f} s: "
         f"{overhead * 1e3:.3f} ms per step not overlapped")
-    return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead}
+    points = []
+    for pre, dec, gpu, _ in ex.step_log:
+        f, b = step_terms(spec, pre, dec)
+        kind = "mixed" if pre and dec else "prefill" if pre else "decode"
+        points.append(StepPoint(f"engine {kind} {sum(n for n, _ in pre)}+{len(dec)}", f, b, gpu))
+    return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead,
+            "points": points}
 
 
 @dataclasses.dataclass
@@ -599,7 +612,9 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     # The engine sees a step take its GPU time plus the host's share (measured above);
     # the simulator charges roofline + step_overhead_s: fit all three to that.
     host = over["step_overhead_s"]
-    steps = [dataclasses.replace(p, seconds=p.seconds + host) for p in exe["points"]]
+    engine_pts = over.pop("points")
+    steps = [dataclasses.replace(p, seconds=p.seconds + host)
+             for p in [*exe["points"], *engine_pts]]
     mfu, mbu, fixed, rms = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
                                         b.hbm_bytes_per_s)
     rows = [{"step": p.label, "measured_s": p.seconds,
@@ -608,9 +623,17 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms host): mfu "
         f"{mfu:.4f}, mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step "
         f"(rms log error {rms:.3f})")
-    for r in rows:
+    for r in rows[:len(exe["points"])]:
         log(f"  {r['step']:>24}: measured {r['measured_s'] * 1e3:8.3f} ms, model "
             f"{r['predicted_s'] * 1e3:8.3f} ms ({r['predicted_s'] / r['measured_s'] - 1:+.1%})")
+    eng = rows[len(exe["points"]):]
+    for kind in ("prefill", "mixed", "decode"):
+        sel = [r for r in eng if f"engine {kind} " in r["step"]]
+        if sel:
+            m = sum(r["measured_s"] for r in sel)
+            pr = sum(r["predicted_s"] for r in sel)
+            log(f"  {len(sel):>4} engine {kind} steps: measured {m * 1e3:9.2f} ms in all, "
+                f"model {pr * 1e3:9.2f} ms ({pr / m - 1:+.1%})")
     profile = {
         "base": base, "name": name or f"{base}-calibrated",
         "peak_bf16_flops": b.peak_bf16_flops, "mfu": round(mfu, 5),
@@ -639,8 +662,10 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "base's (not measured: this machine's GPU world has no storage tier).",
         "",
         f"Compute: GpuExecutor steps of {cal.model} (bf16 mma.sync kernels, compute.cu),",
-        f"step time fitted over {len(cal.fit['steps'])} prefill/decode/mixed steps "
-        f"(rms log error {cal.fit['rms_log_error']:.3f});",
+        f"step time fitted over {len(cal.fit['steps'])} steps: a grid of prefill/decode/mixed "
+        "batches and every step",
+        f"of an engine run (24 requests, 1k..8k prompts) (rms log error "
+        f"{cal.fit['rms_log_error']:.3f});",
         "peak_bf16_flops and hbm_bytes_per_s stay datasheet values, mfu/mbu carry the fit.",
         "Executor GEMM (a layer's four): " + ", ".join(
             f"M={m} {v['flops'] / 1e12:.0f} TFLOP/s" for m, v in ex["gemm"].items()) + ";",

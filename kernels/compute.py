@@ -125,6 +125,9 @@ class GpuExecutor(PagedExecutorBase):
         self.last_gpu_s = 0.0
         self.last_enqueue_s = 0.0   # CPU time to enqueue the last step (never waits on the GPU)
         self.last_wall_s = 0.0
+        #: When a list: one (prefill (new, context) pairs, decode contexts, GPU s, wall s)
+        #: per step, in the cost model's terms (calibration fits to engine steps).
+        self.step_log: list[tuple[list[tuple[int, int]], list[int], float, float]] | None = None
         with cp.cuda.Device(self.device):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._notify = cp.cuda.Stream(non_blocking=True)
@@ -233,6 +236,10 @@ class GpuExecutor(PagedExecutorBase):
                     self.rows.setdefault(rid, []).append(row)
             self.record(plan.emit_ids, out[:, 0].tolist(), out[:, 1].tolist())
         self.last_wall_s = time.perf_counter() - t0
+        if self.step_log is not None:
+            self.step_log.append((
+                [(len(it.tokens), it.pos0) for it in items if not it.decode],
+                [it.pos0 + 1 for it in items if it.decode], gpu, self.last_wall_s))
         return plan
 
     # ------------------------------------------------------------------ kernels
