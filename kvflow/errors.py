@@ -40,3 +40,18 @@ class NotEnoughBlocks(KvflowError):
 
 class TransferError(KvflowError):
     """A transfer failed or was cancelled; its destination blocks hold no valid data."""
+
+
+class BlocksLost(TransferError):
+    """A read found blocks gone from the tier it read (a store that restarted, evicted
+    them on its own, or found them corrupt).
+
+    ``keys`` (manager keys) are known to be gone from ``tier``: the runtime tells
+    the manager, which drops its copies there, so they are neither matched nor
+    read again and a later backup writes them anew.
+    """
+
+    def __init__(self, message: str, tier: int, keys: list[object]) -> None:
+        super().__init__(message)
+        self.tier = tier
+        self.keys = keys

@@ -15,7 +15,7 @@ overwrite the block before the copy-out has read it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -115,6 +115,7 @@ class ManagerStats:
     failed_ops: int = 0
     recomputed_blocks: int = 0
     rejected_plans: int = 0
+    lost_copies: int = 0  # copies a tier reported gone (see ``lost``)
 
 
 @dataclass(frozen=True)
@@ -594,6 +595,20 @@ class CacheManager:
                 continue
             self._drop_with_subtree(n, dst)
         return follow
+
+    def lost(self, tier: Tier, keys: Iterable[Hashable]) -> int:
+        """``tier`` no longer holds these blocks (a store restarted, evicted them, found
+        them corrupt): drop their ready copies there (with the subtree of a block left
+        with no copy), so they are neither matched nor read again and a later backup
+        writes them anew. Returns how many copies went."""
+        dropped = 0
+        for key in keys:
+            node = self.index.get(key)
+            if node is not None and node.state[tier] == READY:
+                self._drop_with_subtree(node, tier)
+                dropped += 1
+        self.stats.lost_copies += dropped
+        return dropped
 
     @staticmethod
     def _recompute_owner(op: TransferOp, node: Node) -> Plan | None:

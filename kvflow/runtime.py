@@ -32,7 +32,7 @@ from enum import Enum
 from typing import Any
 
 from kvflow.backend import TransferBackend
-from kvflow.errors import TransferError
+from kvflow.errors import BlocksLost, TransferError
 from kvflow.manager import CacheManager, OpKind, TransferOp
 from kvflow.radix import Tier
 
@@ -341,8 +341,11 @@ class Runtime:
                         f"(op {op.op_id}) did not land")
                     self.backend.cancel(dep.handle)
         task._raw_dependents = []
-        for follow in self.manager.complete(op, ok):
-            self.submit(follow)
+        follow = self.manager.complete(op, ok)
+        if isinstance(task.error, BlocksLost) and task.error.keys:
+            self.manager.lost(task.error.tier, task.error.keys)
+        for f in follow:
+            self.submit(f)
         if not self.tasks and self._idle is not None:
             self._idle.set()
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from kvflow.errors import ConfigError, TransferError
+from kvflow.errors import BlocksLost, ConfigError, TransferError
 from kvflow.host_memory import HostMemory
 from kvflow.manager import TransferOp
 from kvflow.radix import Tier
@@ -102,17 +102,21 @@ class BusyClock:
         return self._busy + extra
 
 
-class StoreMissError(TransferError):
+class StoreMissError(BlocksLost):
     """A storage read did not get some blocks (absent, evicted, corrupt, store down).
 
-    ``keys`` are the manager keys that missed. The op fails like any other
-    (recompute); the keys also say which storage copies the manager believes
-    in are gone — after a store restart or its own eviction, every one of them.
+    ``missing``: the manager keys that missed. The op fails like any other
+    (recompute). ``keys``: those known to be gone — all of them, unless the
+    store reported errors during the read (a store that is down has lost
+    nothing; its blocks may be back with it): the runtime has the manager drop
+    its storage copies of those, so that a store restart or the store's own
+    eviction does not leave entries that miss on every later read and are
+    never written again.
     """
 
-    def __init__(self, message: str, keys: list[Hashable]) -> None:
-        super().__init__(message)
-        self.keys = keys
+    def __init__(self, message: str, missing: list[Hashable], lost: bool) -> None:
+        super().__init__(message, Tier.STORAGE, list(missing) if lost else [])
+        self.missing = missing
 
 
 @dataclass
@@ -331,6 +335,7 @@ class StoreBackend:
                 view = np.empty(self.host.bytes_per_block, dtype=np.uint8)
                 staged.append((b, view))
             bufs.append(view)
+        errors_before = self.store.store.stats.errors
         try:
             got = await self.store.get_many_into(keys, bufs, timeout_s=self._left(deadline))
         except StoreDeadlineError as exc:
@@ -344,10 +349,13 @@ class StoreBackend:
         missing = [k for k, ok in zip(op.keys, got, strict=True) if not ok]
         if missing:
             self.stats.read_misses += len(missing)
+            # Store errors meanwhile (any call: stats are per store) make the misses
+            # inconclusive; then nothing is declared lost (only hits are at stake).
+            lost = self.store.store.stats.errors == errors_before
             return StoreMissError(
                 f"{op.kind.value} op {op.op_id}: {len(missing)} of {op.num_blocks} blocks not "
                 f"read from the store (absent, evicted, corrupt or store down): "
-                f"{_some(missing)}", missing)
+                f"{_some(missing)}", missing, lost)
         for b, view in staged:
             self.host.scatter(b, view)
         self.stats.blocks_read += op.num_blocks

@@ -212,6 +212,7 @@ class RealtimeStack:
             "ops": dict(m.ops), "blocks": dict(m.blocks),
             "recomputed_blocks": self.manager.stats.recomputed_blocks,
             "failed_ops": self.manager.stats.failed_ops,
+            "lost_copies": self.manager.stats.lost_copies,
             "evictions": list(self.manager.stats.evictions),
             "compute": dataclasses.replace(self.executor.stats, examples=[]).as_dict(),
             "busy": {**self.copies.busy_s(),
@@ -271,6 +272,7 @@ class RealtimeStack:
                 "store_timeouts": backend.get("timeouts", 0),
                 "store_read_misses": backend.get("read_misses", 0),
                 "store_put_failed": backend.get("put_failed", 0),
+                "store_lost_entries": now["lost_copies"],
                 "corrupt_reads": compute["corrupt_reads"],
             },
             "store": None if self.store is None else {

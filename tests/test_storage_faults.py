@@ -163,6 +163,7 @@ async def test_corrupt_block_files_mid_run_are_recomputed(tmp_path: Path) -> Non
     assert flipped and flipped[0] > 0
     e = r1["errors"]
     assert e["store_corrupt"] > 0 and e["store_read_misses"] >= e["store_corrupt"]
+    assert e["store_lost_entries"] > 0  # the manager forgot the blobs the store deleted
     assert e["failed_transfers"] > 0 and e["recomputed_blocks"] > 0
     assert_hits_storage(r2)
 
@@ -422,3 +423,42 @@ def test_a_failed_write_under_a_waiting_requests_prefetch_leaves_no_dangling_nod
     m.check_invariants()
     plan = m.plan("c", [1, 2])     # recomputed from scratch
     assert plan.num_cached == 0
+
+
+def test_copies_a_store_lost_are_forgotten_then_written_again() -> None:
+    """A read that misses tells the manager (``StoreMissError.keys`` -> ``lost``): the
+    entries go, with their subtree, even under a waiting request's reservation, and
+    the next backup writes the blocks again instead of trusting a dead entry."""
+    from kvflow.manager import CacheManager, Capacities
+
+    m = CacheManager(Capacities(2, 2, 8), write_policy="write_through")
+
+    def land(ops: list[Any]) -> None:
+        queue = list(ops)
+        while queue:
+            queue += m.complete(queue.pop(0), True)
+
+    a = m.plan("a", [1, 2])
+    land(a.ops)
+    m.commit(a)
+    land(m.finish(a))               # on all three tiers
+    b = m.plan("b", [3, 4])
+    land(b.ops)
+    m.commit(b)
+    land(m.finish(b))               # 1, 2 pushed out to storage only
+    assert [m.index.get(k).best_tier() for k in (1, 2)] == [Tier.STORAGE, Tier.STORAGE]
+    held = m.prefetch([1, 2])       # a waiting request reads them back ...
+    for op in held.ops:
+        m.complete(op, False)       # ... the store misses: the store lost them
+    assert m.lost(Tier.STORAGE, [1, 2]) == 1  # 1 goes, and 2 with it (no copy left above)
+    assert m.index.get(1) is None and m.index.get(2) is None and m.stats.lost_copies == 1
+    m.release(held)
+    m.check_invariants()
+    c = m.plan("c", [1, 2])         # computed again ...
+    assert c.num_cached == 0
+    land(c.ops)
+    m.commit(c)
+    ops = m.finish(c)
+    land(ops)                       # ... and written again (write_through)
+    assert all(m.index.get(k).state[Tier.STORAGE] == READY for k in (1, 2))
+    m.check_invariants()

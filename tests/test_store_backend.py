@@ -25,7 +25,7 @@ from kvflow.host_memory import HostArrays, HostMemory
 from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
 from kvflow.store_backend import StoreBackend, StoreMissError, store_key
-from kvflow.stores import AsyncStore, MemoryStore, Namespace, StoreDeadlineError
+from kvflow.stores import AsyncStore, MemoryStore, Namespace, StoreDeadlineError, StoreStats
 
 L, LB = 3, 64            # layers, bytes per layer of a block
 BPB = L * LB
@@ -137,7 +137,8 @@ async def test_a_miss_or_a_corrupt_block_fails_the_op() -> None:
     s = Sink()
     be.submit(op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0, 1], [2, 3], [1, 99]), s, [])
     await s.finished
-    assert isinstance(s.error, StoreMissError) and s.error.keys == [99] and s.layers == []
+    assert isinstance(s.error, StoreMissError) and s.layers == []
+    assert s.error.missing == s.error.keys == [99]  # gone: the manager may forget it
     blob = bytearray(store.blob_for(2))
     blob[-1] ^= 0xFF
     store.set_blob(2, bytes(blob))
@@ -146,6 +147,26 @@ async def test_a_miss_or_a_corrupt_block_fails_the_op() -> None:
     await s.finished
     assert isinstance(s.error, TransferError)
     assert store.stats.corrupt == 1 and be.stats.read_misses == 2 and be.stats.failed == 2
+
+
+class DownStore(MemoryStore):
+    """Answers every read with misses and counts an error, as a Redis store that is down."""
+
+    def get_many(self, keys: Any) -> list[bytes | None]:
+        self._count(StoreStats(errors=1, misses=len(keys)))
+        return [None] * len(keys)
+
+
+@pytest.mark.asyncio
+async def test_misses_while_the_store_reports_errors_are_not_losses() -> None:
+    host = HostArrays(2, L, LB)
+    be = StoreBackend(DownStore(NS), host, L)
+    s = Sink()
+    be.submit(op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0], [1], [7]), s, [])
+    await s.finished
+    assert isinstance(s.error, StoreMissError)
+    assert s.error.missing == [7] and s.error.keys == []  # down, not lost: keep the entry
+    be.close()
 
 
 @pytest.mark.asyncio
