@@ -498,8 +498,15 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     return {"points": points, "gemm": gemm, "attention_flops": att}
 
 
+def _run_uvloop(coro: Any) -> Any:
+    """Run on the loop the GPU replay uses (uvloop): the host's share per step depends on it."""
+    from kernels.replay import _run_loop
+
+    return _run_loop(coro)
+
+
 async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
-                                output_len: int = 32,
+                                output_len: int = 64,
                                 stream_priority: int | None = None) -> dict[str, Any]:
     """An engine run: wall time minus GPU time per step, and every step as a fit point.
 
@@ -608,7 +615,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     exe = asyncio.run(measure_executor(spec, log, reps=2 if quick else 3,
                                        stream_priority=stream_priority))
     b = PROFILES[base]
-    over = asyncio.run(measure_step_overhead(spec, log, stream_priority=stream_priority))
+    over = _run_uvloop(measure_step_overhead(spec, log, stream_priority=stream_priority))
     # The engine sees a step take its GPU time plus the host's share (measured above);
     # the simulator charges roofline + step_overhead_s: fit all three to that.
     host = over["step_overhead_s"]
