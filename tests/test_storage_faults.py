@@ -462,3 +462,30 @@ def test_copies_a_store_lost_are_forgotten_then_written_again() -> None:
     land(ops)                       # ... and written again (write_through)
     assert all(m.index.get(k).state[Tier.STORAGE] == READY for k in (1, 2))
     m.check_invariants()
+
+
+# ---------------------------------------------------------------------- prefetch policies
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", ["wait_complete", "best_effort"])
+async def test_prefetch_policies_through_a_real_store(policy: str) -> None:
+    """With reads taking 60 ms: wait_complete waits for them and serves storage hits;
+    best_effort schedules at once, cancels what has not landed and recomputes it.
+
+    (Its TTFT is not asserted: a plan still reads the host copy a cancelled but
+    running read is filling, so the request waits for that read to end before
+    its swap-in fails into the recompute.)"""
+    slow = DelayedStore(MemoryStore(NS))
+    stack = RealtimeStack(SPEC, RealtimeConfig(**{**SMALL, "prefetch_policy": policy}), slow)
+    try:
+        await stack.replay(REQS)        # fills the store, fast
+        slow.read_delay = 0.06
+        r = await stack.replay(REQS)
+        assert_served(r)
+        assert_all_free_after_drop(stack)
+    finally:
+        stack.close()
+    if policy == "wait_complete":
+        assert r["hit_rate"]["storage"] > 0.1 and r["ttft_s"]["p99"] >= 0.06
+    else:
+        # only what landed while its request queued (rarely 60 ms here) is served
+        assert r["hit_rate"]["storage"] < 0.05 and r["prefetch"]["cancelled"] > 0
