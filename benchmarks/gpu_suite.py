@@ -219,10 +219,10 @@ def main() -> int:
     results["overlap"] = overlap
     priority = "default"
     if overlap:
-        def mid(r: dict[str, Any]) -> float:
-            rows = r["rows"]
-            return rows[len(rows) // 2]["efficiency"]
-        best = max([r for r in overlap if r.get("case", "batch") == "batch"] or overlap, key=mid)
+        def mean_eff(r: dict[str, Any]) -> float:
+            return sum(row["efficiency"] for row in r["rows"]) / len(r["rows"])
+        best = max([r for r in overlap if r.get("case", "batch") == "batch"] or overlap,
+                   key=mean_eff)
         priority = "default" if best["stream_priority"] is None else "highest"
     say(f"\ncopy streams for calibration and replays: priority {priority}")
     env = {"KVFLOW_STREAM_PRIORITY": priority, **kernel_env}

@@ -260,7 +260,7 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
     """CudaBackend ops of k scattered blocks each way (and both at once); fitted link models.
 
     ``under_load``: while ``GpuExecutor`` steps run back to back on other blocks
-    (prefill 1024 tokens at context 2048, then 8 decodes at 4096), which is when
+    (8 decodes at context 4096 and a prefill of 1024 tokens at 2048), which is when
     the engine moves KV: loads are submitted as their request's step starts,
     backups as a request finishes amid other requests' steps. The swap kernel
     then shares the SMs with compute.
@@ -292,9 +292,9 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                         np.arange(first, first + -(-3072 // bt), dtype=np.int32), True)]
 
         async def run_compute() -> None:
+            # one kind of step, back to back: every op sees the same load
             while not stop.is_set():
-                await ex.run_items(pre)
-                await ex.run_items(dec)
+                await ex.run_items([*dec, *pre])
 
         churn = asyncio.ensure_future(run_compute())
         await asyncio.sleep(0.05)
@@ -607,7 +607,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     raw = measure_raw_link(log, reps=reps)
     idle = asyncio.run(measure_backend_links(spec, log, reps=reps,
                                              stream_priority=stream_priority))
-    links = asyncio.run(measure_backend_links(spec, log, reps=reps,
+    links = asyncio.run(measure_backend_links(spec, log, reps=reps + 2,
                                               stream_priority=stream_priority, under_load=True))
     kernels = measure_swap_kernels(log, reps=reps,
                                    ctas=(2, 4, 16) if quick else (2, 4, 8, 16))

@@ -236,75 +236,84 @@ class StepPlan:
         return len(self.decode_work)
 
 
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated ``arange(start, start + count)`` for each pair, without a Python loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(counts)
+    offsets = np.repeat(ends - counts, counts)
+    return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - offsets)
+
+
 def build_step(items: Sequence[StepItem], shape: ModelShape,
                decode_split: int = DECODE_SPLIT) -> StepPlan:
-    """Lay one step out for the kernels; raises ``ValueError`` on an inconsistent item."""
+    """Lay one step out for the kernels; raises ``ValueError`` on an inconsistent item.
+
+    Vectorised over items (numpy, no per-token Python): it runs on the host
+    every step, with one item per running request.
+    """
     if decode_split <= 0 or decode_split % TILE:
         raise ValueError(f"decode_split must be a positive multiple of {TILE}")
     bt, kv_dim, stride = shape.block_tokens, shape.kv_dim, shape.block_stride
-    toks: list[np.ndarray] = []
-    poss: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
-    tabs: list[np.ndarray] = []
-    pwork: list[tuple[int, int, int, int]] = []
-    dwork: list[np.ndarray] = []
-    comb: list[tuple[int, int, int]] = []
-    emit_rows: list[int] = []
-    emit_ids: list[Hashable] = []
-    rows = toff = parts = 0
-    pairs = 0.0
-    dkeys = 0
-    for it in items:
-        n = len(it.tokens)
-        if n == 0:
-            continue
-        end = it.pos0 + n
-        need = -(-end // bt)
-        if it.pos0 < 0 or len(it.table) < need:
-            raise ValueError(f"request {it.request_id!r}: positions [{it.pos0}, {end}) need "
-                             f"{need} blocks, its table has {len(it.table)}")
-        tab = np.asarray(it.table[:need], dtype=np.int32)
-        pos = np.arange(it.pos0, end, dtype=np.int64)
-        slots.append(tab[pos // bt].astype(np.int64) * stride + (pos % bt) * kv_dim)
-        toks.append(np.asarray(it.tokens, dtype=np.int32))
-        poss.append(pos.astype(np.int32))
-        tabs.append(tab)
-        if it.decode:
-            if n != 1:
-                raise ValueError(f"request {it.request_id!r}: a decode item has one token")
-            starts = np.arange(0, end, decode_split, dtype=np.int32)
-            ns = len(starts)
-            w = np.empty((ns, 5), dtype=np.int32)
-            w[:, 0] = rows
-            w[:, 1] = starts
-            w[:, 2] = np.minimum(starts + decode_split, end)
-            w[:, 3] = toff
-            w[:, 4] = np.arange(parts, parts + ns, dtype=np.int32)
-            dwork.append(w)
-            comb.append((rows, parts, ns))
-            parts += ns
-            dkeys += end
-        else:
-            for q in range(0, n, TILE):
-                pwork.append((rows + q, min(TILE, n - q), it.pos0 + q, toff))
-            pairs += n * (it.pos0 + (n + 1) / 2)
-        if it.emit:
-            emit_rows.append(rows + n - 1)
-            emit_ids.append(it.request_id)
-        rows += n
-        toff += need
+    items = [it for it in items if len(it.tokens)]
+    k = len(items)
+    lens = np.fromiter((len(it.tokens) for it in items), dtype=np.int64, count=k)
+    pos0 = np.fromiter((it.pos0 for it in items), dtype=np.int64, count=k)
+    dec = np.fromiter((it.decode for it in items), dtype=bool, count=k)
+    emit = np.fromiter((it.emit for it in items), dtype=bool, count=k)
+    tlen = np.fromiter((len(it.table) for it in items), dtype=np.int64, count=k)
+    ends = pos0 + lens
+    need = -(-ends // bt)
+    bad = np.flatnonzero((pos0 < 0) | (tlen < need) | (dec & (lens != 1)))
+    if len(bad):
+        it = items[int(bad[0])]
+        if it.decode and len(it.tokens) != 1:
+            raise ValueError(f"request {it.request_id!r}: a decode item has one token")
+        b = int(bad[0])
+        raise ValueError(f"request {it.request_id!r}: positions [{it.pos0}, {int(ends[b])}) "
+                         f"need {int(need[b])} blocks, its table has {int(tlen[b])}")
+    row0 = np.cumsum(lens) - lens
+    toff = np.cumsum(need) - need
+    if k:
+        tokens = np.concatenate([it.tokens for it in items]).astype(np.int32, copy=False)
+        tables = np.concatenate([it.table[:n] for it, n in zip(items, need.tolist(),
+                                                                 strict=True)]
+                                ).astype(np.int32, copy=False)
+    else:
+        tokens = np.zeros(0, dtype=np.int32)
+        tables = np.zeros(0, dtype=np.int32)
+    positions = _ranges(pos0, lens)
+    tab_of_token = np.repeat(toff, lens) + positions // bt
+    slots = tables[tab_of_token].astype(np.int64) * stride + (positions % bt) * kv_dim
 
-    def cat(parts_: list[np.ndarray], dtype: type, width: int | None = None) -> np.ndarray:
-        if parts_:
-            return np.concatenate(parts_).astype(dtype, copy=False)
-        return np.zeros((0,) if width is None else (0, width), dtype=dtype)
+    p = ~dec  # prefill items: work items of TILE query rows
+    qcount = -(-lens[p] // TILE)
+    q = _ranges(np.zeros(int(p.sum()), dtype=np.int64), qcount) * TILE  # offset in item
+    prefill_work = np.empty((len(q), 4), dtype=np.int32)
+    prefill_work[:, 0] = np.repeat(row0[p], qcount) + q
+    prefill_work[:, 1] = np.minimum(TILE, np.repeat(lens[p], qcount) - q)
+    prefill_work[:, 2] = np.repeat(pos0[p], qcount) + q
+    prefill_work[:, 3] = np.repeat(toff[p], qcount)
 
+    ns = -(-ends[dec] // decode_split)  # decode items: one split per decode_split keys
+    starts = _ranges(np.zeros(int(dec.sum()), dtype=np.int64), ns) * decode_split
+    first = np.cumsum(ns) - ns
+    decode_work = np.empty((len(starts), 5), dtype=np.int32)
+    decode_work[:, 0] = np.repeat(row0[dec], ns)
+    decode_work[:, 1] = starts
+    decode_work[:, 2] = np.minimum(starts + decode_split, np.repeat(ends[dec], ns))
+    decode_work[:, 3] = np.repeat(toff[dec], ns)
+    decode_work[:, 4] = np.arange(len(starts))
+    combine = np.stack([row0[dec], first, ns], axis=1).astype(np.int32).reshape(-1, 3)
+
+    emit_rows = (row0 + lens - 1)[emit].astype(np.int32)
+    pairs = float((lens[p] * (pos0[p] + (lens[p] + 1) / 2)).sum())
     return StepPlan(
-        tokens=cat(toks, np.int32), positions=cat(poss, np.int32), slots=cat(slots, np.int64),
-        prefill_work=np.array(pwork, dtype=np.int32).reshape(-1, 4),
-        decode_work=cat(dwork, np.int32, 5), combine=np.array(comb, dtype=np.int32).reshape(-1, 3),
-        tables=cat(tabs, np.int32), emit_rows=np.array(emit_rows, dtype=np.int32),
-        emit_ids=emit_ids, prefill_pairs=pairs, decode_keys=dkeys)
+        tokens=tokens, positions=positions.astype(np.int32), slots=slots,
+        prefill_work=prefill_work, decode_work=decode_work, combine=combine, tables=tables,
+        emit_rows=emit_rows, emit_ids=[it.request_id for it in items if it.emit],
+        prefill_pairs=pairs, decode_keys=int(ends[dec].sum()))
 
 
 #: The arrays of a ``StepPlan`` that travel to the GPU, in buffer order (int64 first).

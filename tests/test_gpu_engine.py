@@ -22,11 +22,13 @@ import pytest
 from kernels import gpu_unavailable_reason
 from kernels.model import (
     DECODE_SPLIT,
+    TILE,
     ModelShape,
     NumpyBackend,
     NumpyExecutor,
     NumpyModel,
     StepItem,
+    StepPlan,
     build_step,
     embed,
     pack_step,
@@ -136,6 +138,101 @@ def test_build_step_slot_of_last_token() -> None:
                                 np.array([7, 3], dtype=np.int32), True)], SHAPE)
     assert plan.slots[-1] == 3 * SHAPE.block_stride + 13 * SHAPE.kv_dim
     np.testing.assert_array_equal(plan.emit_rows, [19])
+
+
+def _reference_build_step(items: list[StepItem], shape: ModelShape,
+                          decode_split: int = DECODE_SPLIT) -> StepPlan:
+    """The first, item-by-item ``build_step``: the oracle for the vectorised one."""
+    if decode_split <= 0 or decode_split % TILE:
+        raise ValueError(f"decode_split must be a positive multiple of {TILE}")
+    bt, kv_dim, stride = shape.block_tokens, shape.kv_dim, shape.block_stride
+    toks: list[np.ndarray] = []
+    poss: list[np.ndarray] = []
+    slots: list[np.ndarray] = []
+    tabs: list[np.ndarray] = []
+    pwork: list[tuple[int, int, int, int]] = []
+    dwork: list[np.ndarray] = []
+    comb: list[tuple[int, int, int]] = []
+    emit_rows: list[int] = []
+    emit_ids: list[Any] = []
+    rows = toff = parts = 0
+    pairs = 0.0
+    dkeys = 0
+    for it in items:
+        n = len(it.tokens)
+        if n == 0:
+            continue
+        end = it.pos0 + n
+        need = -(-end // bt)
+        if it.pos0 < 0 or len(it.table) < need:
+            raise ValueError(f"request {it.request_id!r}: positions [{it.pos0}, {end}) need "
+                             f"{need} blocks, its table has {len(it.table)}")
+        tab = np.asarray(it.table[:need], dtype=np.int32)
+        pos = np.arange(it.pos0, end, dtype=np.int64)
+        slots.append(tab[pos // bt].astype(np.int64) * stride + (pos % bt) * kv_dim)
+        toks.append(np.asarray(it.tokens, dtype=np.int32))
+        poss.append(pos.astype(np.int32))
+        tabs.append(tab)
+        if it.decode:
+            if n != 1:
+                raise ValueError(f"request {it.request_id!r}: a decode item has one token")
+            starts = np.arange(0, end, decode_split, dtype=np.int32)
+            ns = len(starts)
+            w = np.empty((ns, 5), dtype=np.int32)
+            w[:, 0] = rows
+            w[:, 1] = starts
+            w[:, 2] = np.minimum(starts + decode_split, end)
+            w[:, 3] = toff
+            w[:, 4] = np.arange(parts, parts + ns, dtype=np.int32)
+            dwork.append(w)
+            comb.append((rows, parts, ns))
+            parts += ns
+            dkeys += end
+        else:
+            for q in range(0, n, TILE):
+                pwork.append((rows + q, min(TILE, n - q), it.pos0 + q, toff))
+            pairs += n * (it.pos0 + (n + 1) / 2)
+        if it.emit:
+            emit_rows.append(rows + n - 1)
+            emit_ids.append(it.request_id)
+        rows += n
+        toff += need
+
+    def cat(parts_: list[np.ndarray], dtype: Any, width: int | None = None) -> np.ndarray:
+        if parts_:
+            return np.concatenate(parts_).astype(dtype, copy=False)
+        return np.zeros((0,) if width is None else (0, width), dtype=dtype)
+
+    return StepPlan(
+        tokens=cat(toks, np.int32), positions=cat(poss, np.int32), slots=cat(slots, np.int64),
+        prefill_work=np.array(pwork, dtype=np.int32).reshape(-1, 4),
+        decode_work=cat(dwork, np.int32, 5), combine=np.array(comb, dtype=np.int32).reshape(-1, 3),
+        tables=cat(tabs, np.int32), emit_rows=np.array(emit_rows, dtype=np.int32),
+        emit_ids=emit_ids, prefill_pairs=pairs, decode_keys=dkeys)
+
+
+def test_build_step_matches_the_item_by_item_oracle() -> None:
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        items = []
+        for r in range(int(rng.integers(0, 7))):
+            decode = bool(rng.integers(0, 2))
+            n = 1 if decode else int(rng.integers(1, 70))
+            pos0 = int(rng.integers(0, 90))
+            need = -(-(pos0 + n) // BT)
+            table = rng.permutation(64)[:need + int(rng.integers(0, 3))].astype(np.int32)
+            items.append(StepItem(r, decode, rng.integers(0, 1000, n).astype(np.int32), pos0,
+                                  table, bool(rng.integers(0, 2))))
+        split = int(rng.choice([16, 32, 1024]))
+        got, want = build_step(items, SHAPE, split), _reference_build_step(items, SHAPE, split)
+        for name in ("tokens", "positions", "slots", "prefill_work", "decode_work", "combine",
+                     "tables", "emit_rows"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        assert got.emit_ids == want.emit_ids
+        assert got.prefill_pairs == pytest.approx(want.prefill_pairs)
+        assert got.decode_keys == want.decode_keys
 
 
 def _pools(blocks: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
