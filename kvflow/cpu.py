@@ -284,12 +284,15 @@ class KeyedBlockExecutor:
     ``step_s + token_s * tokens`` is the step's compute time, slept layer by
     layer when loads are pending (so copies overlap compute), else in one go.
     ``strict`` raises ``AssertionError`` at the first wrong byte instead of counting.
+    ``verify_decode=False`` skips the decode steps' checks (the prefill already
+    checked every cached block; benchmarks skip re-reading them every token).
     Needs ``StepBatch.requests`` (the request of each item).
     """
 
     def __init__(self, device_layer: Callable[[int], np.ndarray], num_layers: int,
                  layer_bytes: int, block_tokens: int, *, step_s: float = 0.0,
-                 token_s: float = 0.0, strict: bool = False, cache_blocks: int = 65536) -> None:
+                 token_s: float = 0.0, strict: bool = False, verify_decode: bool = True,
+                 cache_blocks: int = 65536) -> None:
         if step_s < 0 or token_s < 0:
             raise ConfigError("step_s and token_s must be >= 0")
         self.device_layer = device_layer
@@ -299,6 +302,7 @@ class KeyedBlockExecutor:
         self.step_s = step_s
         self.token_s = token_s
         self.strict = strict
+        self.verify_decode = verify_decode
         self.stats = ExecutorStats()
         self._cache: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         self._cache_blocks = cache_blocks
@@ -336,7 +340,8 @@ class KeyedBlockExecutor:
             out.append((st.req.request_id, idx, ids, exp) if with_ids else (ids, exp))
 
         for st in reqs[:nd]:
-            add(verifies, st, list(range(len(st.plan.keys))), True)
+            if self.verify_decode:
+                add(verifies, st, list(range(len(st.plan.keys))), True)
             self.stats.decode_tokens += 1
         for st, (n, ctx) in zip(reqs[nd:], batch.prefill, strict=True):
             plan = st.plan

@@ -90,6 +90,8 @@ class RealtimeConfig:
     #: Compute time of a step: ``step_s + token_s * tokens`` (wall seconds).
     step_s: float = 0.0005
     token_s: float = 2e-6
+    #: Check every prompt block at every decode step too (prefills always check).
+    verify_decode: bool = True
     #: Pace of device <-> host copies (bytes/s per direction); None: at once.
     copy_bytes_per_s: float | None = None
     #: Deadline of each storage op (queueing for a worker included); None: none.
@@ -148,7 +150,8 @@ class RealtimeStack:
         self.runtime = Runtime(self.manager, self.log, spec.bytes_per_block, loop)
         self.executor = KeyedBlockExecutor(self.copies.device_layer, layout.num_layers,
                                            layout.bytes_per_layer_block, spec.block_tokens,
-                                           step_s=cfg.step_s, token_s=cfg.token_s)
+                                           step_s=cfg.step_s, token_s=cfg.token_s,
+                                           verify_decode=cfg.verify_decode)
         self.passes = 0
         self._log_from = 0  # first TransferLog record of the current pass
 
