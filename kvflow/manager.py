@@ -218,8 +218,9 @@ class CacheManager:
         """Reserve device blocks for a request and say which copies it needs.
 
         ``use_storage=False`` stops the cached prefix at the first block that
-        is only in storage (best-effort prefetch: what has not reached host by
-        now is recomputed rather than waited for).
+        is only in storage or still on its way up from it (best-effort
+        prefetch: what has not reached host by now is recomputed rather than
+        waited for).
 
         Raises ``NotEnoughBlocks`` (leaving every pool and reference as it was)
         when the device cannot hold the request even after evicting every
@@ -228,9 +229,11 @@ class CacheManager:
         keys = tuple(keys)
         index = self.index
         matched = index.match(keys)
-        if not use_storage:
+        if not use_storage:  # only what has landed: no storage read, none still in flight
             for i, n in enumerate(matched):
-                if n.best_tier() == Tier.STORAGE:
+                t = n.best_tier()
+                if t == Tier.STORAGE or (t == Tier.HOST and n.state[Tier.HOST] == FILLING
+                                         and n.inflight[Tier.HOST].kind is OpKind.PREFETCH):  # type: ignore[union-attr]
                     del matched[i:]
                     break
         ref = index.ref
