@@ -26,6 +26,7 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.swap import (
+    DEFAULT_DMA_MIN_BYTES,
     DEFAULT_LOAD_CTAS,
     DEFAULT_MIN_RUN_BYTES,
     DEFAULT_STAGING_BYTES,
@@ -157,6 +158,8 @@ class CudaBackend:
     the default, lowest). ``layers_per_launch`` > 1 trades per-layer granularity for less
     host time: one launch and one host callback per group of layers (each
     layer still gets its own event, recorded when its group lands).
+    ``dma``/``dma_min_bytes``: when ops go to the copy engine as batched memcpys
+    instead of the kernel (see ``kernels.swap``); ``use_dma`` says what was chosen.
     """
 
     def __init__(
@@ -173,6 +176,8 @@ class CudaBackend:
         device: int | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         stream_priority: int | None = None,
+        dma: str = "auto",
+        dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -215,13 +220,14 @@ class CudaBackend:
                                     for m, h in zip(self._host_mem, self._host, strict=True)]
                                    for layer in range(L)], dtype=np.int64)
             common = dict(min_run_bytes=min_run_bytes, staging_bytes=staging_bytes,
-                          kernels=kernels)
+                          kernels=kernels, dma=dma, dma_min_bytes=dma_min_bytes)
             self.h2d = BlockCopier(host_bases, dev_bases, self.role_bytes, num_host_blocks,
                                    num_device_blocks, ctas=load_ctas, src_name="host",
                                    dst_name="device", **common)
             self.d2h = BlockCopier(dev_bases, host_bases, self.role_bytes, num_device_blocks,
                                    num_host_blocks, ctas=store_ctas, src_name="device",
                                    dst_name="host", **common)
+        self.use_dma = self.h2d.use_dma
 
     # ------------------------------------------------------------------ memory
     def device_kv(self, layer: int, role: str) -> object:

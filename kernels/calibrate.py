@@ -256,7 +256,7 @@ async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], li
 async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                                 sizes: Sequence[int] = (1, 2, 4, 8, 16),
                                 stream_priority: int | None = None,
-                                under_load: bool = False) -> dict[str, Any]:
+                                under_load: bool = False, dma: str = "auto") -> dict[str, Any]:
     """CudaBackend ops of k scattered blocks each way (and both at once); fitted link models.
 
     ``under_load``: while ``GpuExecutor`` steps run back to back on other blocks
@@ -272,7 +272,7 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
     n = 2 * max(sizes) + 2
     bt = spec.block_tokens
     extra = 8 * -(-4097 // bt) + -(-3072 // bt) + 1 if under_load else 0
-    backend = CudaBackend(spec, n + extra, n, stream_priority=stream_priority)
+    backend = CudaBackend(spec, n + extra, n, stream_priority=stream_priority, dma=dma)
     for layer in range(spec.num_layers):  # real bytes, not zeros
         for role in ("k", "v"):
             kv = backend.device_kv(layer, role)
@@ -301,7 +301,9 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
     rng = np.random.default_rng(0)
     units = spec.num_layers
     per_block = spec.bytes_per_block
-    out: dict[str, Any] = {"bytes_per_block": per_block, "units_per_op": units}
+    out: dict[str, Any] = {"bytes_per_block": per_block, "units_per_op": units,
+                           "copy_path": "copy engine (batched)" if backend.use_dma
+                           else "swap kernel"}
     for name, src, dst in (("h2d", Tier.HOST, Tier.DEVICE), ("d2h", Tier.DEVICE, Tier.HOST)):
         await _backend_ops(backend, [(src, dst, [0], [0])])  # warm up
         pts = []
@@ -580,7 +582,7 @@ class Calibration:
 
 def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str = "h100",
               name: str | None = None, quick: bool = False, stream_priority: int | None = None,
-              log: Log = print) -> Calibration:
+              dma: str | None = None, log: Log = print) -> Calibration:
     """Measure links, swap kernels and compute on this GPU (see the module docstring)."""
     reason = gpu_unavailable_reason()
     if reason is not None:
@@ -591,10 +593,14 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         raise ConfigError(f"unknown base profile {base!r}; presets: {', '.join(PROFILES)}")
     cp = cupy_module()
     t0 = time.perf_counter()
-    if stream_priority is None:  # as the GPU replay will run the copy streams
+    if stream_priority is None or dma is None:  # as the GPU replay will run the copy streams
         from kernels.replay import env_backend_options
 
-        stream_priority = env_backend_options().get("stream_priority")
+        env = env_backend_options()
+        if stream_priority is None:
+            stream_priority = env.get("stream_priority")
+        if dma is None:
+            dma = env.get("dma", "auto")
     spec = preset(model, block_tokens=block_tokens)
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     dname = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
@@ -606,9 +612,10 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     reps = 3 if quick else 5
     raw = measure_raw_link(log, reps=reps)
     idle = asyncio.run(measure_backend_links(spec, log, reps=reps,
-                                             stream_priority=stream_priority))
+                                             stream_priority=stream_priority, dma=dma))
     links = asyncio.run(measure_backend_links(spec, log, reps=reps + 2,
-                                              stream_priority=stream_priority, under_load=True))
+                                              stream_priority=stream_priority, under_load=True,
+                                              dma=dma))
     kernels = measure_swap_kernels(log, reps=reps,
                                    ctas=(2, 4, 16) if quick else (2, 4, 8, 16))
     mm = measure_matmuls(log, reps=reps)
@@ -686,11 +693,12 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "so step_overhead_s is that host share plus the per-step GPU floor the roofline",
         "misses (small-M GEMMs stream weights far below HBM speed).",
         "",
-        f"Links: CudaBackend ops of 1..16 scattered blocks "
+        f"Links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 scattered "
+        "blocks "
         f"({lk['bytes_per_block'] / 2**20:.1f} MiB each, {lk['units_per_op']} layer units per "
         "op), event-timed,",
         "fitted to latency_s + bytes / bandwidth_Bps per unit, measured while GpuExecutor",
-        "steps run (the engine moves KV while it computes; the swap kernel shares the SMs).",
+        "steps run (the engine moves KV while it computes; a swap kernel shares the SMs).",
         f"Idle: h2d {cal.links_idle['h2d']['bandwidth_Bps'] / 1e9:.1f} GB/s + "
         f"{cal.links_idle['h2d']['latency_s'] * 1e6:.1f} us, d2h "
         f"{cal.links_idle['d2h']['bandwidth_Bps'] / 1e9:.1f} GB/s + "

@@ -93,24 +93,34 @@ def gpu_capacities(cfg: ReplayConfig, setup: Setup) -> Capacities:
 
 
 def env_backend_options() -> dict[str, Any]:
-    """``CudaBackend`` options from ``KVFLOW_STREAM_PRIORITY`` (``highest`` or an int).
+    """``CudaBackend`` options from the environment, for calibrate and replay alike.
 
-    How the copy streams compete with compute for SMs is a property of the
-    machine, measured by ``benchmarks/bench_overlap.py``; calibrate and replay
-    must run them alike, hence one variable both read.
+    ``KVFLOW_STREAM_PRIORITY`` (``default``, ``highest`` or an int): how the copy
+    streams compete with compute for SMs (``benchmarks/bench_overlap.py``).
+    ``KVFLOW_COPY_ENGINE`` (``auto``, ``never``, ``always``): whether ops go to
+    the copy engine as batched memcpys or to the swap kernel. Both change what
+    a transfer costs, so a profile is only valid for the settings it was
+    calibrated with: hence variables that both commands read.
     """
+    out: dict[str, Any] = {}
     value = os.environ.get("KVFLOW_STREAM_PRIORITY", "").strip()
-    if not value or value == "default":
-        return {}
     if value == "highest":
         from kernels.backend import HIGHEST_PRIORITY
 
-        return {"stream_priority": HIGHEST_PRIORITY}
-    try:
-        return {"stream_priority": int(value)}
-    except ValueError:
-        raise ConfigError(f"KVFLOW_STREAM_PRIORITY must be 'default', 'highest' or an "
-                          f"integer, got {value!r}") from None
+        out["stream_priority"] = HIGHEST_PRIORITY
+    elif value and value != "default":
+        try:
+            out["stream_priority"] = int(value)
+        except ValueError:
+            raise ConfigError(f"KVFLOW_STREAM_PRIORITY must be 'default', 'highest' or an "
+                              f"integer, got {value!r}") from None
+    engine = os.environ.get("KVFLOW_COPY_ENGINE", "").strip()
+    if engine:
+        if engine not in ("auto", "never", "always"):
+            raise ConfigError(f"KVFLOW_COPY_ENGINE must be 'auto', 'never' or 'always', "
+                              f"got {engine!r}")
+        out["dma"] = engine
+    return out
 
 
 def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> TransferLog:

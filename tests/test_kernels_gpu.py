@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels import gpu_unavailable_reason
+from kernels.dma import batch_memcpy_unavailable_reason
 from kvflow.errors import InvalidBlockId, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import OpKind, TransferOp
@@ -104,13 +105,27 @@ def snapshot_device(backend: CudaBackend) -> list[np.ndarray]:
 
 
 # ---------------------------------------------------------------- round trips
-@pytest.mark.parametrize("min_run_bytes", [0, 1], ids=["kernel-only", "runs-to-copy-engine"])
+#: How an op moves: (min_run_bytes, dma) -- every id to the kernel; runs to one memcpy each,
+#: the rest to the kernel; everything as batched copy-engine memcpys (runs as one piece).
+PATHS = {"kernel-only": (0, "never"), "runs-to-copy-engine": (1, "never"),
+         "batched-copy-engine": (0, "always")}
+needs_dma = pytest.mark.skipif(
+    _REASON is None and batch_memcpy_unavailable_reason() is not None,
+    reason=f"batched memcpy unavailable: {batch_memcpy_unavailable_reason()}")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("name", list(SPECS))
-def test_round_trip_bit_exact(name: str, min_run_bytes: int) -> None:
+def test_round_trip_bit_exact(name: str, path: str) -> None:
+    if PATHS[path][1] == "always" and batch_memcpy_unavailable_reason() is not None:
+        pytest.skip(f"batched memcpy unavailable: {batch_memcpy_unavailable_reason()}")
     spec = SPECS[name]
+    min_run_bytes, dma = PATHS[path]
     rng = np.random.default_rng(zlib.crc32(name.encode()) + min_run_bytes)
     nd, nh, n = 96, 200, 80
-    backend = CudaBackend(spec, nd, nh, load_ctas=4, store_ctas=4, min_run_bytes=min_run_bytes)
+    backend = CudaBackend(spec, nd, nh, load_ctas=4, store_ctas=4, min_run_bytes=min_run_bytes,
+                          dma=dma)
+    assert backend.use_dma == (dma == "always")
     fill_random(backend, rng)
     host_src, dev = mixed_ids(rng, n, nh, nd)
     free_host = sorted(set(range(nh)) - set(host_src))
@@ -212,11 +227,12 @@ async def test_runs_on_default_asyncio_loop() -> None:
 
 
 # ---------------------------------------------------------------- ordering
-def test_compute_stream_waits_for_each_layer_on_the_gpu() -> None:
+@pytest.mark.parametrize("dma", ["never", pytest.param("always", marks=needs_dma)])
+def test_compute_stream_waits_for_each_layer_on_the_gpu(dma: str) -> None:
     """A kernel on the compute stream after ``wait_layer`` reads loaded bytes, never poison."""
     spec = SPECS["mha-bf16"]
     rng = np.random.default_rng(7)
-    backend = CudaBackend(spec, 64, 64)
+    backend = CudaBackend(spec, 64, 64, dma=dma)
     fill_random(backend, rng)
     host_src, dev = mixed_ids(rng, 48, 64, 64)
     for layer in range(spec.num_layers):
@@ -266,12 +282,13 @@ def test_compute_stream_waits_for_each_layer_on_the_gpu() -> None:
         np.testing.assert_array_equal(cp.asnumpy(got), backend.host_kv(layer, "k")[host_src])
 
 
-def test_many_concurrent_tasks_both_directions() -> None:
+@pytest.mark.parametrize("dma", ["never", pytest.param("always", marks=needs_dma)])
+def test_many_concurrent_tasks_both_directions(dma: str) -> None:
     """Evict-then-reuse chains across the two streams, plus independent loads and stores."""
     spec = SPECS["mha-fp8"]
     rng = np.random.default_rng(11)
     nd, nh, k, per = 384, 512, 16, 8
-    backend = CudaBackend(spec, nd, nh, load_ctas=2, store_ctas=2)
+    backend = CudaBackend(spec, nd, nh, load_ctas=2, store_ctas=2, dma=dma)
     fill_random(backend, rng)
     dev_perm = rng.permutation(nd).tolist()
     host_perm = rng.permutation(nh).tolist()
@@ -327,9 +344,11 @@ def test_many_concurrent_tasks_both_directions() -> None:
         ([0, -1], [1, 2], "host block id -1"),
     ],
 )
-def test_invalid_ids_rejected_destination_untouched(src: list, dst: list, match: str) -> None:
+@pytest.mark.parametrize("dma", ["never", pytest.param("always", marks=needs_dma)])
+def test_invalid_ids_rejected_destination_untouched(src: list, dst: list, match: str,
+                                                    dma: str) -> None:
     spec = SPECS["mha-fp8"]
-    backend = CudaBackend(spec, 64, 64, min_run_bytes=1)
+    backend = CudaBackend(spec, 64, 64, min_run_bytes=1, dma=dma)
     fill_random(backend, np.random.default_rng(5))
     before = snapshot_device(backend)
     with pytest.raises(InvalidBlockId, match=match):
@@ -377,3 +396,16 @@ def test_cancel_reports_error_after_the_gpu_is_done() -> None:
         return sink
 
     assert run(main).reported == []
+
+
+def test_copy_path_chosen_by_piece_size() -> None:
+    """``auto``: the copy engine for large pieces only; a tiny role keeps the op on the kernel."""
+    if batch_memcpy_unavailable_reason() is not None:
+        pytest.skip(f"batched memcpy unavailable: {batch_memcpy_unavailable_reason()}")
+    big = ModelSpec("big", num_layers=2, num_kv_heads=8, head_dim=128, block_tokens=64)
+    assert CudaBackend(big, 4, 4, dma_min_bytes=big.layout.roles[0].bytes_per_block).use_dma
+    assert not CudaBackend(big, 4, 4, dma_min_bytes=1 << 30).use_dma
+    assert not CudaBackend(big, 4, 4, dma="never", dma_min_bytes=1).use_dma
+    assert not CudaBackend(SPECS["mla-fp8-dsa"], 4, 4, dma_min_bytes=1024).use_dma
+    with pytest.raises(ValueError, match="dma must be one of"):
+        CudaBackend(big, 4, 4, dma="sometimes")
