@@ -14,11 +14,13 @@ so each number is measured on the code a GPU replay uses:
 * **compute** — the executor's GEMM by size, cuBLAS fp16 for reference, HBM
   copy bandwidth, attention throughput; then ``GpuExecutor`` steps over a grid
   of prefill and decode batches (GPU time by events);
-* **host share** — a small engine run: wall time minus GPU time, per step;
+* **host share** — a small engine run: per step, the time to the next step's
+  start not covered by its GPU time, fitted as fixed + per sequence;
 * **the fit** — the simulator's step time (``sim.cost.CostModel``: ``layers *
-  max(FLOPs / (peak * mfu), bytes / (hbm * mbu)) + step_overhead_s``) fitted to
-  GPU time + host share of each grid step: ``mfu``, ``mbu`` and
-  ``step_overhead_s`` are what make it match.
+  max(weight FLOPs / (peak * mfu) + attention FLOPs / (peak * attention_mfu),
+  bytes / (hbm * mbu)) + step_overhead_s + step_overhead_per_seq_s * seqs``)
+  fitted to GPU time + host share of each grid step: ``mfu``,
+  ``attention_mfu``, ``mbu`` and ``step_overhead_s`` are what make it match.
 
 ``write_profile`` renders the TOML (``sim.cost.load_profile`` keys, measured
 values in comments) and checks that it loads. The fitting and rendering are
@@ -35,7 +37,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -72,17 +74,31 @@ def fit_link(points: Sequence[tuple[float, float]], units: int) -> tuple[float, 
 
 @dataclasses.dataclass(frozen=True)
 class StepPoint:
-    """One measured step: its per-layer FLOPs and bytes (cost model terms) and GPU time."""
+    """One measured step: its per-layer cost-model terms and its time.
+
+    ``flops`` counts weights and attention together; ``attn_flops`` is the
+    attention part (it runs at its own rate); ``seqs`` the sequences in the
+    step (the host's share grows with them).
+    """
 
     label: str
     flops: float       # per layer
     nbytes: float      # per layer
-    seconds: float     # whole step, GPU time
+    seconds: float     # whole step
+    attn_flops: float = 0.0
+    seqs: int = 0
 
 
 def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
                decode: Sequence[int]) -> tuple[float, float]:
     """Per-layer FLOPs and bytes of a batch, exactly as ``sim.cost.CostModel.layer_time``."""
+    p = step_point("", spec, prefill, decode, 0.0)
+    return p.flops, p.nbytes
+
+
+def step_point(label: str, spec: ModelSpec, prefill: Sequence[tuple[int, int]],
+               decode: Sequence[int], seconds: float) -> StepPoint:
+    """A measured step in ``sim.cost.CostModel``'s terms (tokens, attention pairs, KV bytes)."""
     from sim.cost import PROFILES, CostModel
 
     cm = CostModel(spec, PROFILES["h100"])
@@ -93,51 +109,108 @@ def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
         tokens += new
         pairs += new * (ctx + new * 0.5)
         kv += ctx + new
-    flops = cm.weight_flops_per_token * tokens + cm.attention_flops_per_pair * pairs
-    return flops, cm.weight_bytes + cm.kv_bytes_per_token * kv
+    attn = cm.attention_flops_per_pair * pairs
+    return StepPoint(label, cm.weight_flops_per_token * tokens + attn,
+                     cm.weight_bytes + cm.kv_bytes_per_token * kv, seconds, attn,
+                     len(prefill) + len(decode))
 
 
 def roofline(point: StepPoint, layers: int, peak: float, hbm: float, mfu: float,
-             mbu: float, overhead: float = 0.0) -> float:
-    """The simulator's step: ``layers * max(FLOPs / (peak*mfu), bytes / (hbm*mbu)) + overhead``."""
-    return layers * max(point.flops / (peak * mfu), point.nbytes / (hbm * mbu)) + overhead
+             mbu: float, overhead: float = 0.0, attention_mfu: float = 0.0,
+             per_seq: float = 0.0) -> float:
+    """The simulator's step time (``sim.cost.CostModel.step_time``) for ``point``."""
+    attn = attention_mfu or mfu
+    compute = (point.flops - point.attn_flops) / (peak * mfu) + point.attn_flops / (peak * attn)
+    return (layers * max(compute, point.nbytes / (hbm * mbu)) + overhead
+            + per_seq * point.seqs)
+
+
+class RooflineFit(NamedTuple):
+    mfu: float
+    mbu: float
+    overhead: float
+    rms: float
+    attention_mfu: float
 
 
 def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: float,
-                 overheads: Sequence[float] | None = None) -> tuple[float, float, float, float]:
-    """(mfu, mbu, overhead, rms log error) minimising the squared log error of the step time.
+                 overheads: Sequence[float] | None = None, per_seq: float = 0.0,
+                 split_attention: bool = True) -> RooflineFit:
+    """Efficiencies and fixed step cost minimising the squared log error of the step time.
 
     ``points`` carry measured step times as the engine sees them (GPU time plus
-    the host's share); the model is ``roofline`` with its fixed per-step term.
-    ``overheads``: candidate values for that term (default: 0 .. 90% of the
-    fastest step); pass ``[x]`` to hold it. A grid (log scale for the
-    efficiencies), then a finer one around the best: the objective is piecewise
-    (which roofline term wins), so a grid is robust where a gradient is not.
+    the host's share); the model is ``roofline`` with ``per_seq`` held (it is
+    measured apart, from the engine run's gaps between steps) and a fixed
+    per-step term fitted. ``overheads``: candidate values for that term
+    (default: 0 .. 90% of the fastest step); pass ``[x]`` to hold it.
+    ``split_attention``: fit attention's own rate (else it shares ``mfu``).
+    A grid (log scale for the efficiencies), then a finer one around the best:
+    the objective is piecewise (which roofline term wins), so a grid is robust
+    where a gradient is not.
     """
     if not points:
         raise ValueError("fit_roofline needs measured steps")
     meas = np.log(np.array([p.seconds for p in points]))
-    flops = np.array([p.flops for p in points]) * layers / peak
+    attn = np.array([p.attn_flops for p in points]) * layers / peak
+    weights = np.array([p.flops for p in points]) * layers / peak - attn
     nbytes = np.array([p.nbytes for p in points]) * layers / hbm
+    host = per_seq * np.array([p.seqs for p in points], dtype=float)
+    split = split_attention and bool(attn.any())
     if overheads is None:
         overheads = np.linspace(0.0, 0.9 * min(p.seconds for p in points), 46)
     cs = np.asarray(overheads, dtype=float)
 
-    def search(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> tuple[float, float, float, float]:
-        pred = np.maximum(flops[None, None, :] / a[:, None, None],
-                          nbytes[None, None, :] / b[None, :, None])      # [A, B, P]
-        pred = pred[None] + c[:, None, None, None]                       # [C, A, B, P]
-        err = np.mean((np.log(pred) - meas) ** 2, axis=-1)
-        k = np.unravel_index(int(np.argmin(err)), err.shape)
-        return float(err[k]), float(a[k[1]]), float(b[k[2]]), float(c[k[0]])
+    def search(a: np.ndarray, a2: np.ndarray, b: np.ndarray,
+               c: np.ndarray) -> tuple[float, float, float, float, float]:
+        if not split:
+            a2 = np.array([0.0])
+        attn_rate = a2[None, :, None] if split else a[:, None, None]
+        compute = weights / a[:, None, None] + attn / attn_rate                # [A, A2, P]
+        memory = nbytes / b[:, None]                                           # [B, P]
+        roof = np.maximum(compute[:, :, None, :], memory[None, None, :, :])   # [A, A2, B, P]
+        best = (np.inf, 0.0, 0.0, 0.0, 0.0)
+        for cv in c:
+            err = np.mean((np.log(roof + cv + host) - meas) ** 2, axis=-1)
+            k = np.unravel_index(int(np.argmin(err)), err.shape)
+            if err[k] < best[0]:
+                best = (float(err[k]), float(a[k[0]]), float(a2[k[1]]), float(b[k[2]]),
+                        float(cv))
+        return best
 
-    grid = np.geomspace(0.005, 1.0, 90)
-    _, a0, b0, c0 = search(grid, grid, cs)
+    grid = np.geomspace(0.005, 1.0, 40 if split else 90)
+    e, a, a2, b, c = search(grid, grid, grid, cs)
     step = cs[1] - cs[0] if len(cs) > 1 else 0.0
-    fine_c = np.clip(np.linspace(c0 - step, c0 + step, 21), 0.0, None) if step else cs
-    e, a, b, c = search(np.clip(np.geomspace(a0 / 1.08, a0 * 1.08, 33), 1e-4, 1.0),
-                        np.clip(np.geomspace(b0 / 1.08, b0 * 1.08, 33), 1e-4, 1.0), fine_c)
-    return a, b, c, math.sqrt(e)
+    width = float(grid[1] / grid[0])
+    for _ in range(5):  # zoom in around the best point, two grid steps either side
+        def around(x: float, w: float = width * width) -> np.ndarray:
+            return np.clip(np.geomspace(x / w, x * w, 11 if split else 21), 1e-4, 1.0)
+
+        fine_c = np.clip(np.linspace(c - 2 * step, c + 2 * step, 11), 0.0, None) if step else cs
+        e, a, a2, b, c = search(around(a), around(a2) if split else np.array([0.0]),
+                                around(b), fine_c)
+        width, step = width ** 0.5, step / 2
+    return RooflineFit(a, b, c, math.sqrt(e), a2 if split else a)
+
+
+def host_share_fit(starts: Sequence[float], gpu: Sequence[float],
+                   seqs: Sequence[int]) -> tuple[float, float]:
+    """``(fixed, per sequence)`` seconds of host time per engine step, by least squares.
+
+    A step's host share is the time from its start to the next step's start
+    not covered by its GPU time. The slowest 5% (GC pauses, first-touch
+    allocations) are left out; a negative slope is clamped to 0.
+    """
+    host = np.diff(np.asarray(starts, dtype=float)) - np.asarray(gpu[:-1], dtype=float)
+    n = np.asarray(seqs[:-1], dtype=float)
+    if host.size < 3:
+        return float(max(host.mean(), 0.0)) if host.size else 0.0, 0.0
+    keep = host <= np.quantile(host, 0.95)
+    host, n = host[keep], n[keep]
+    if np.ptp(n) > 0:
+        slope, fixed = np.polyfit(n, host, 1)
+        if slope >= 0 and fixed >= 0:
+            return float(fixed), float(slope)
+    return float(max(host.mean(), 0.0)), 0.0
 
 
 def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
@@ -447,17 +520,14 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     points: list[StepPoint] = []
     for n, c in prefills:
         t = await gpu_time([prefill_item(n, c)])
-        f, b = step_terms(spec, [(n, c)], [])
-        points.append(StepPoint(f"prefill {n}@{c}", f, b, t))
+        points.append(step_point(f"prefill {n}@{c}", spec, [(n, c)], [], t))
     for b_, c in decodes:
         t = await gpu_time(decode_items(b_, c))
-        f, b = step_terms(spec, [], [c + 1] * b_)
-        points.append(StepPoint(f"decode {b_}x{c}", f, b, t))
+        points.append(step_point(f"decode {b_}x{c}", spec, [], [c + 1] * b_, t))
     for (n, c), (b_, dc) in mixed:
         items = [*decode_items(b_, dc), prefill_item(n, c, b_ * -(-(dc + 1) // bt))]
         t = await gpu_time(items)
-        f, b = step_terms(spec, [(n, c)], [dc + 1] * b_)
-        points.append(StepPoint(f"mixed {n}@{c}+{b_}x{dc}", f, b, t))
+        points.append(step_point(f"mixed {n}@{c}+{b_}x{dc}", spec, [(n, c)], [dc + 1] * b_, t))
 
     # GEMM throughput of the executor's kernel, per layer's four GEMMs
     gemm = {}
@@ -548,12 +618,16 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
     log(f"engine run: {steps} steps in {wall:.3f} s, GPU busy {busy:.3f} s: "
         f"{overhead * 1e3:.3f} ms per step not overlapped")
     points = []
-    for pre, dec, gpu, _ in ex.step_log:
-        f, b = step_terms(spec, pre, dec)
+    for pre, dec, gpu, _, _ in ex.step_log:
         kind = "mixed" if pre and dec else "prefill" if pre else "decode"
-        points.append(StepPoint(f"engine {kind} {sum(n for n, _ in pre)}+{len(dec)}", f, b, gpu))
+        points.append(step_point(f"engine {kind} {sum(n for n, _ in pre)}+{len(dec)}", spec,
+                                 pre, dec, gpu))
+    fixed, per_seq = host_share_fit([r[4] for r in ex.step_log], [r[2] for r in ex.step_log],
+                                    [len(r[0]) + len(r[1]) for r in ex.step_log])
+    log(f"host share per step: {fixed * 1e3:.3f} ms + {per_seq * 1e6:.1f} us per sequence "
+        "(gaps between step starts, less GPU time)")
     return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead,
-            "points": points}
+            "host_fixed_s": fixed, "host_per_seq_s": per_seq, "points": points}
 
 
 @dataclasses.dataclass
@@ -623,20 +697,21 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                                        stream_priority=stream_priority))
     b = PROFILES[base]
     over = _run_uvloop(measure_step_overhead(spec, log, stream_priority=stream_priority))
-    # The engine sees a step take its GPU time plus the host's share (measured above);
-    # the simulator charges roofline + step_overhead_s: fit all three to that.
-    host = over["step_overhead_s"]
+    # The engine sees a step take its GPU time plus the host's share (measured above,
+    # fixed + per sequence); the simulator charges roofline + step_overhead_s +
+    # step_overhead_per_seq_s per sequence: fit the rest to that.
+    host, per_seq = over["host_fixed_s"], over["host_per_seq_s"]
     engine_pts = over.pop("points")
-    steps = [dataclasses.replace(p, seconds=p.seconds + host)
+    steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs)
              for p in [*exe["points"], *engine_pts]]
-    mfu, mbu, fixed, rms = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
-                                        b.hbm_bytes_per_s)
+    mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
+                                                  b.hbm_bytes_per_s, per_seq=per_seq)
     rows = [{"step": p.label, "measured_s": p.seconds,
              "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
-                                     mfu, mbu, fixed)} for p in steps]
-    log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms host): mfu "
-        f"{mfu:.4f}, mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step "
-        f"(rms log error {rms:.3f})")
+                                     mfu, mbu, fixed, attn_mfu, per_seq)} for p in steps]
+    log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms + "
+        f"{per_seq * 1e6:.1f} us/seq host): mfu {mfu:.4f}, attention_mfu {attn_mfu:.4f}, "
+        f"mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step (rms log error {rms:.3f})")
     for r in rows[:len(exe["points"])]:
         log(f"  {r['step']:>24}: measured {r['measured_s'] * 1e3:8.3f} ms, model "
             f"{r['predicted_s'] * 1e3:8.3f} ms ({r['predicted_s'] / r['measured_s'] - 1:+.1%})")
@@ -651,15 +726,18 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     profile = {
         "base": base, "name": name or f"{base}-calibrated",
         "peak_bf16_flops": b.peak_bf16_flops, "mfu": round(mfu, 5),
+        "attention_mfu": round(attn_mfu, 5),
         "hbm_bytes_per_s": b.hbm_bytes_per_s, "mbu": round(mbu, 5),
         "memory_bytes": float(total), "step_overhead_s": fixed,
+        "step_overhead_per_seq_s": per_seq,
         "h2d": {"bandwidth_Bps": links["h2d"]["bandwidth_Bps"],
                 "latency_s": links["h2d"]["latency_s"]},
         "d2h": {"bandwidth_Bps": links["d2h"]["bandwidth_Bps"],
                 "latency_s": links["d2h"]["latency_s"]},
     }
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
-                       {"mfu": mfu, "mbu": mbu, "step_overhead_s": fixed, "host_s": host,
+                       {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
+                        "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
                         "rms_log_error": rms, "steps": rows},
                        over, profile, time.perf_counter() - t0)
 
@@ -680,18 +758,21 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "batches and every step",
         f"of an engine run (24 requests, 1k..8k prompts) (rms log error "
         f"{cal.fit['rms_log_error']:.3f});",
-        "peak_bf16_flops and hbm_bytes_per_s stay datasheet values, mfu/mbu carry the fit.",
+        "peak_bf16_flops and hbm_bytes_per_s stay datasheet values, mfu (weight GEMMs),",
+        "attention_mfu and mbu carry the fit.",
         "Executor GEMM (a layer's four): " + ", ".join(
             f"M={m} {v['flops'] / 1e12:.0f} TFLOP/s" for m, v in ex["gemm"].items()) + ";",
         "attention (extra context): " + ", ".join(
             f"{k} {v / 1e12:.0f}" for k, v in ex["attention_flops"].items()) + " TFLOP/s;",
         f"cuBLAS fp16 8192^3 {cal.matmuls['cublas_fp16_8192_flops'] / 1e12:.0f} TFLOP/s; "
         f"device copy {cal.matmuls['hbm_copy_Bps'] / 1e12:.2f} TB/s (read + write).",
-        f"Fitted to GPU step time + the host's share per step ({cal.fit['host_s'] * 1e3:.3f} ms:"
-        f" engine run of {cal.overhead['steps']} steps, wall {cal.overhead['wall_s']:.3f} s - "
-        f"GPU {cal.overhead['gpu_s']:.3f} s),",
-        "so step_overhead_s is that host share plus the per-step GPU floor the roofline",
-        "misses (small-M GEMMs stream weights far below HBM speed).",
+        f"Fitted to GPU step time + the host's share per step ({cal.fit['host_s'] * 1e3:.3f} ms"
+        f" + {cal.fit.get('host_per_seq_s', 0.0) * 1e6:.1f} us per sequence, fitted to the gaps"
+        f" between the {cal.overhead['steps']} steps of an engine run: wall "
+        f"{cal.overhead['wall_s']:.3f} s, GPU {cal.overhead['gpu_s']:.3f} s),",
+        "so step_overhead_s is the fixed host share plus the per-step GPU floor the roofline",
+        "misses (small-M GEMMs stream weights far below HBM speed), and",
+        "step_overhead_per_seq_s the host's growth per sequence.",
         "",
         f"Links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 scattered "
         "blocks "

@@ -125,9 +125,11 @@ class GpuExecutor(PagedExecutorBase):
         self.last_gpu_s = 0.0
         self.last_enqueue_s = 0.0   # CPU time to enqueue the last step (never waits on the GPU)
         self.last_wall_s = 0.0
-        #: When a list: one (prefill (new, context) pairs, decode contexts, GPU s, wall s)
-        #: per step, in the cost model's terms (calibration fits to engine steps).
-        self.step_log: list[tuple[list[tuple[int, int]], list[int], float, float]] | None = None
+        #: When a list: one (prefill (new, context) pairs, decode contexts, GPU s, wall s,
+        #: start on ``time.perf_counter``) per step, in the cost model's terms (calibration
+        #: fits to engine steps, and the host's share to the gaps between their starts).
+        self.step_log: list[tuple[list[tuple[int, int]], list[int], float, float, float]] | None \
+            = None
         with cp.cuda.Device(self.device):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._notify = cp.cuda.Stream(non_blocking=True)
@@ -239,7 +241,7 @@ class GpuExecutor(PagedExecutorBase):
         if self.step_log is not None:
             self.step_log.append((
                 [(len(it.tokens), it.pos0) for it in items if not it.decode],
-                [it.pos0 + 1 for it in items if it.decode], gpu, self.last_wall_s))
+                [it.pos0 + 1 for it in items if it.decode], gpu, self.last_wall_s, t0))
         return plan
 
     # ------------------------------------------------------------------ kernels

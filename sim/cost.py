@@ -9,12 +9,17 @@ which is how a profile measured on a real GPU (``kvflow calibrate``) feeds the
 simulator.
 
 ``CostModel`` turns a batch into time with a per-layer roofline: a layer takes
-``max(FLOPs / (peak * mfu), bytes / (hbm * mbu))``. FLOPs are the weight
-matmuls (``2 * active_params / num_layers`` per token) plus attention
-(``4 * heads * head_dim`` per (query, key) pair: QK^T and PV, 2 FLOPs per
-multiply-add); bytes are the layer's bf16 weights, read once per step, plus
-the KV the batch reads (and, for prefill, writes). It ignores activations and
-the MoE effect that a large batch touches more than the active experts.
+``max(weight FLOPs / (peak * mfu) + attention FLOPs / (peak * attention_mfu),
+bytes / (hbm * mbu))``. Weight FLOPs are the matmuls (``2 * active_params /
+num_layers`` per token), attention FLOPs ``4 * heads * head_dim`` per (query,
+key) pair (QK^T and PV, 2 FLOPs per multiply-add): two rates, because GEMMs
+and attention kernels reach different fractions of the peak (measured: 170-177
+against 89-105 TFLOP/s on one H100 executor). Bytes are the layer's bf16
+weights, read once per step, plus the KV the batch reads (and, for prefill,
+writes). A step adds ``step_overhead_s`` plus ``step_overhead_per_seq_s`` per
+sequence in the batch: the host's share grows with the batch it schedules.
+It ignores activations and the MoE effect that a large batch touches more
+than the active experts.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ class GpuProfile:
     bandwidth and ``mbu`` the fraction of it reached (1.0 in the presets: the
     plain datasheet roofline; calibration lowers it). ``step_overhead_s`` is
     host-side time per engine step (scheduling, sampling, launches) that does
-    not overlap the GPU work.
+    not overlap the GPU work, and ``step_overhead_per_seq_s`` its growth per
+    sequence in the step. ``attention_mfu`` is the fraction of the peak that
+    attention reaches; 0 means "same as ``mfu``" (the presets).
     """
 
     name: str
@@ -59,6 +66,8 @@ class GpuProfile:
     storage_write: Link
     step_overhead_s: float
     mbu: float = 1.0
+    attention_mfu: float = 0.0
+    step_overhead_per_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -79,7 +88,9 @@ def _problem(key: str, value: Any) -> str | None:
         return f"must be a finite number, got {value!r}"
     if key in ("mfu", "mbu"):
         return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
-    if key == "step_overhead_s":
+    if key == "attention_mfu":
+        return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
+    if key in ("step_overhead_s", "step_overhead_per_seq_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 
@@ -250,9 +261,14 @@ class CostModel:
         self.weight_bytes = params * WEIGHT_BYTES
         #: KV bytes of one token in one layer (padding included).
         self.kv_bytes_per_token = spec.bytes_per_layer_block / spec.block_tokens
-        self._sec_per_flop = 1.0 / (profile.peak_bf16_flops * profile.mfu)
+        attention_mfu = profile.attention_mfu or profile.mfu
+        #: Seconds per weight-matmul token and per attention pair (FLOPs / achieved rate).
+        self._sec_per_token = self.weight_flops_per_token / (profile.peak_bf16_flops * profile.mfu)
+        self._sec_per_pair = self.attention_flops_per_pair / (
+            profile.peak_bf16_flops * attention_mfu)
         self._sec_per_byte = 1.0 / (profile.hbm_bytes_per_s * profile.mbu)
         self._overhead = profile.step_overhead_s
+        self._overhead_per_seq = profile.step_overhead_per_seq_s
 
     def layer_time_totals(self, tokens: float, attention_pairs: float, kv_tokens: float) -> float:
         """Layer time from batch totals (for callers keeping running sums).
@@ -264,17 +280,14 @@ class CostModel:
         """
         if tokens <= 0:
             return 0.0
-        flops = (self.weight_flops_per_token * tokens
-                 + self.attention_flops_per_pair * attention_pairs)
-        nbytes = self.weight_bytes + self.kv_bytes_per_token * kv_tokens
-        compute = flops * self._sec_per_flop
-        memory = nbytes * self._sec_per_byte
+        compute = self._sec_per_token * tokens + self._sec_per_pair * attention_pairs
+        memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) * self._sec_per_byte
         return compute if compute > memory else memory
 
     def layer_time(
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
     ) -> float:
-        """Time of one layer over the batch: max(FLOPs / (peak*mfu), bytes / (hbm*mbu))."""
+        """Time of one layer over the batch: the larger of its compute and memory times."""
         tokens = len(decode_contexts)
         pairs = sum(decode_contexts) if tokens else 0
         kv = pairs
@@ -287,6 +300,9 @@ class CostModel:
     def step_time(
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
     ) -> float:
-        """Time of one engine step: ``num_layers * layer_time + step_overhead_s`` (0 if empty)."""
+        """One engine step: ``num_layers * layer_time`` plus the host's share (0 if empty)."""
         t = self.layer_time(prefill, decode_contexts)
-        return self.num_layers * t + self._overhead if t > 0 else 0.0
+        if t <= 0:
+            return 0.0
+        seqs = len(prefill) + len(decode_contexts)
+        return self.num_layers * t + self._overhead + self._overhead_per_seq * seqs

@@ -7,6 +7,7 @@ which the sim-vs-GPU comparison relies on.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,10 @@ from kernels.calibrate import (
     StepPoint,
     fit_link,
     fit_roofline,
+    host_share_fit,
     render_profile,
     roofline,
+    step_point,
     step_terms,
     write_profile,
 )
@@ -49,31 +52,65 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
 
 
 def test_step_terms_match_the_cost_model() -> None:
-    prof = PROFILES["h100"]
+    prof = replace(PROFILES["h100"], attention_mfu=0.2, step_overhead_per_seq_s=30e-6)
     cm = CostModel(SPEC, prof)
     batch = ([(2048, 4096), (512, 0)], [1000, 3000])
     f, b = step_terms(SPEC, *batch)
-    p = StepPoint("x", f, b, 1.0)
-    assert roofline(p, 1, prof.peak_bf16_flops, prof.hbm_bytes_per_s, prof.mfu,
-                    prof.mbu) == pytest.approx(cm.layer_time(*batch), rel=1e-12)
+    p = step_point("x", SPEC, *batch, 1.0)
+    assert (p.flops, p.nbytes, p.seqs) == (f, b, 4) and 0 < p.attn_flops < f
+    assert roofline(p, 1, prof.peak_bf16_flops, prof.hbm_bytes_per_s, prof.mfu, prof.mbu,
+                    attention_mfu=0.2) == pytest.approx(cm.layer_time(*batch), rel=1e-12)
+    layers = SPEC.num_layers
+    assert roofline(p, layers, prof.peak_bf16_flops, prof.hbm_bytes_per_s, prof.mfu, prof.mbu,
+                    prof.step_overhead_s, 0.2, 30e-6) == pytest.approx(cm.step_time(*batch),
+                                                                        rel=1e-12)
 
 
-def test_fit_roofline_recovers_mfu_and_mbu() -> None:
+def _synthetic(mfu: float, attn_mfu: float, mbu: float, fixed: float,
+               per_seq: float = 0.0) -> list[StepPoint]:
     prof = PROFILES["h100"]
     peak, hbm = prof.peak_bf16_flops, prof.hbm_bytes_per_s
-    batches = [([(n, c)], []) for n, c in ((512, 0), (2048, 0), (8192, 0), (2048, 8192))]
+    batches = [([(n, c)], []) for n, c in ((512, 0), (2048, 0), (8192, 0), (2048, 8192),
+                                           (1024, 32768), (4096, 16384))]
     batches += [([], [c + 1] * b) for b, c in ((1, 1024), (8, 4096), (32, 8192))]
+    batches += [([(2048, 0)], [4097] * 16)]
     pts = []
     for pre, dec in batches:
-        f, b = step_terms(SPEC, pre, dec)
-        t = roofline(StepPoint("", f, b, 0.0), 4, peak, hbm, 0.21, 0.63, 1.5e-3)
-        pts.append(StepPoint("", f, b, t))
-    mfu, mbu, fixed, rms = fit_roofline(pts, 4, peak, hbm)
-    assert mfu == pytest.approx(0.21, rel=0.02) and mbu == pytest.approx(0.63, rel=0.02)
-    assert fixed == pytest.approx(1.5e-3, rel=0.05) and rms < 0.01
+        p = step_point("", SPEC, pre, dec, 0.0)
+        pts.append(replace(p, seconds=roofline(p, 4, peak, hbm, mfu, mbu, fixed, attn_mfu,
+                                               per_seq)))
+    return pts
+
+
+def test_fit_roofline_recovers_mfu_attention_mfu_and_mbu() -> None:
+    prof = PROFILES["h100"]
+    peak, hbm = prof.peak_bf16_flops, prof.hbm_bytes_per_s
+    pts = _synthetic(0.21, 0.09, 0.63, 1.5e-3, per_seq=40e-6)
+    fit = fit_roofline(pts, 4, peak, hbm, per_seq=40e-6)
+    assert fit.mfu == pytest.approx(0.21, rel=0.03) and fit.mbu == pytest.approx(0.63, rel=0.03)
+    assert fit.attention_mfu == pytest.approx(0.09, rel=0.05)
+    assert fit.overhead == pytest.approx(1.5e-3, rel=0.05) and fit.rms < 0.01
+    # one rate for both: a worse fit, as the data has two
+    single = fit_roofline(pts, 4, peak, hbm, per_seq=40e-6, split_attention=False)
+    assert single.attention_mfu == single.mfu and single.rms > 3 * fit.rms
     # with the fixed term held at 0, the efficiencies absorb it (and fit worse)
-    _, mbu0, fixed0, rms0 = fit_roofline(pts, 4, peak, hbm, overheads=[0.0])
-    assert fixed0 == 0.0 and rms0 > rms and mbu0 < 0.63
+    held = fit_roofline(pts, 4, peak, hbm, overheads=[0.0], per_seq=40e-6)
+    assert held.overhead == 0.0 and held.rms > fit.rms and held.mbu < 0.63
+
+
+def test_host_share_fit_recovers_fixed_and_per_sequence() -> None:
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(1, 25, size=200).tolist()
+    gpu = rng.uniform(2e-3, 9e-3, size=200)
+    host = 0.4e-3 + 25e-6 * np.array(seqs) + rng.normal(0, 5e-6, size=200)
+    host[::40] += 20e-3  # a few pauses: left out
+    starts = np.concatenate([[0.0], np.cumsum(gpu + host)[:-1]])
+    fixed, per_seq = host_share_fit(starts.tolist(), gpu.tolist(), seqs)
+    assert fixed == pytest.approx(0.4e-3, rel=0.05)
+    assert per_seq == pytest.approx(25e-6, rel=0.05)
+    # one batch size: no slope to fit, the mean is the fixed share
+    fixed1, per1 = host_share_fit([0.0, 1.0, 2.0, 3.0], [0.9, 0.9, 0.9, 0.9], [4, 4, 4, 4])
+    assert per1 == 0.0 and fixed1 == pytest.approx(0.1)
 
 
 def test_written_profile_loads_with_the_measured_values(tmp_path: Path) -> None:

@@ -55,6 +55,28 @@ def test_mixed_batch_with_cached_prefix() -> None:
     assert cm.layer_time_totals(tokens, pairs, kv) == pytest.approx(expected, rel=1e-12)
 
 
+def test_attention_at_its_own_rate_and_host_share_per_sequence() -> None:
+    """Calibrated profiles split the compute rate and grow the step's host share with the batch."""
+    prof = replace(H100, attention_mfu=0.125, step_overhead_per_seq_s=20e-6)
+    cm = CostModel(LLAMA8B, prof)
+    # prefill 1024 at 2048 cached: weights at 0.5 of the peak, attention at 0.125
+    weights = 2 * 250_937_500 * 1024 / (989.4e12 * 0.5)
+    attention = 4 * 32 * 128 * 1024 * (2048 + 512) / (989.4e12 * 0.125)
+    assert cm.layer_time([(1024, 2048)], []) == pytest.approx(weights + attention, rel=1e-12)
+    # the same batch with attention at mfu's rate costs less, by exactly the ratio
+    plain = CostModel(LLAMA8B, H100).layer_time([(1024, 2048)], [])
+    assert plain == pytest.approx(weights + attention / 4, rel=1e-12)
+    # host share: fixed + per sequence (one prefill + three decodes = 4)
+    step = cm.step_time([(1024, 2048)], [10, 20, 30])
+    layer = cm.layer_time([(1024, 2048)], [10, 20, 30])
+    assert step == pytest.approx(32 * layer + 0.5e-3 + 4 * 20e-6, rel=1e-12)
+    assert cm.step_time([], []) == 0.0
+    with pytest.raises(ConfigError, match=r"GpuProfile\.attention_mfu"):
+        replace(H100, attention_mfu=1.5)
+    with pytest.raises(ConfigError, match=r"GpuProfile\.step_overhead_per_seq_s"):
+        replace(H100, step_overhead_per_seq_s=-1e-6)
+
+
 def test_cached_prefix_makes_prefill_slower_than_without() -> None:
     cm = CostModel(LLAMA8B, H100)
     assert cm.layer_time([(512, 8192)], []) > cm.layer_time([(512, 0)], [])
