@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, Protocol
 
 from kvflow.errors import ConfigError
@@ -25,14 +26,25 @@ class EvictionPolicy(Protocol):
     becomes ready or goes, and ``ref``/``unref`` when a node's reference count
     leaves or returns to zero (only for tiers where its copy is ready).
     ``candidates`` may yield referenced nodes; the index skips them.
+
+    Where ``orders_referenced`` is false, inserting a referenced node is a
+    no-op (it enters the order at ``unref``), so the index may skip the call.
+    ``pop_front``/``push_front`` let the index take victims in bulk where the
+    policy has an O(1) order: it drops what it can and hands back the rest.
     """
+
+    orders_referenced: bool
 
     def insert(self, node: Any) -> None: ...
     def remove(self, node: Any) -> None: ...
     def ref(self, node: Any) -> None: ...
     def unref(self, node: Any) -> None: ...
+    def unref_all(self, nodes: list[Any]) -> None: ...
     def candidates(self) -> Iterator[Any]: ...
     def first(self) -> Any | None: ...
+    def pop_front(self, k: int) -> list[Any]: ...
+    def push_front(self, nodes: list[Any]) -> None: ...
+    def tracked(self) -> set[Any]: ...
 
 
 def _rotating_scan(order: OrderedDict[Any, None]) -> Iterator[Any]:
@@ -59,6 +71,8 @@ class LRU:
     order is the victim, with no scan.
     """
 
+    orders_referenced = False
+
     def __init__(self, capacity: int = 0) -> None:
         self._order: OrderedDict[Any, None] = OrderedDict()
 
@@ -75,6 +89,11 @@ class LRU:
     def unref(self, node: Any) -> None:
         self._order[node] = None
 
+    def unref_all(self, nodes: list[Any]) -> None:
+        order = self._order
+        for node in nodes:
+            order[node] = None
+
     def candidates(self) -> Iterator[Any]:
         return _rotating_scan(self._order)
 
@@ -82,14 +101,36 @@ class LRU:
         """The first candidate, in O(1)."""
         return next(iter(self._order), None)
 
+    def pop_front(self, k: int) -> list[Any]:
+        """Remove and return the first ``k`` candidates (fewer if the order is shorter)."""
+        order = self._order
+        # islice + del beats popitem(last=False), which is slow to call in CPython.
+        nodes = list(islice(order, k))
+        for node in nodes:
+            del order[node]
+        return nodes
+
+    def push_front(self, nodes: list[Any]) -> None:
+        """Undo ``pop_front`` for ``nodes`` (its tail, in the order it returned them)."""
+        order = self._order
+        for node in reversed(nodes):
+            order[node] = None
+            order.move_to_end(node, last=False)
+
+    def tracked(self) -> set[Any]:
+        return set(self._order)
+
 
 class LFU:
     """Fewest hits first, ties by least recently released. A parent has at
     least its children's hits, so the first candidate is a leaf here too."""
 
+    orders_referenced = False
+
     def __init__(self, capacity: int = 0) -> None:
         self._buckets: dict[int, OrderedDict[Any, None]] = {}
         self._freq: dict[Any, int] = {}
+        self._popped_freq = 0  # the bucket ``pop_front`` last took from
 
     def insert(self, node: Any) -> None:
         if node.ref == 0:
@@ -114,6 +155,10 @@ class LFU:
 
     ref = remove
 
+    def unref_all(self, nodes: list[Any]) -> None:
+        for node in nodes:
+            self.unref(node)
+
     def candidates(self) -> Iterator[Any]:
         for f in sorted(self._buckets):
             bucket = self._buckets.get(f)
@@ -125,6 +170,36 @@ class LFU:
         if not self._buckets:
             return None
         return next(iter(self._buckets[min(self._buckets)]))
+
+    def pop_front(self, k: int) -> list[Any]:
+        """Remove and return up to ``k`` first candidates, all from the lowest bucket."""
+        if not self._buckets:
+            return []
+        f = self._popped_freq = min(self._buckets)
+        bucket = self._buckets[f]
+        nodes = list(islice(bucket, k))
+        freq = self._freq
+        for node in nodes:
+            del bucket[node], freq[node]
+        if not bucket:
+            del self._buckets[f]
+        return nodes
+
+    def push_front(self, nodes: list[Any]) -> None:
+        """Undo the last ``pop_front`` for ``nodes`` (its tail, in its order)."""
+        if not nodes:
+            return
+        f = self._popped_freq
+        bucket = self._buckets.get(f)
+        if bucket is None:
+            bucket = self._buckets[f] = OrderedDict()
+        for node in reversed(nodes):
+            self._freq[node] = f
+            bucket[node] = None
+            bucket.move_to_end(node, last=False)
+
+    def tracked(self) -> set[Any]:
+        return set(self._freq)
 
 
 class S3FIFO:
@@ -141,6 +216,7 @@ class S3FIFO:
 
     SMALL_FRACTION = 0.1
     MAX_FREQ = 3
+    orders_referenced = True
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
@@ -163,6 +239,9 @@ class S3FIFO:
     def unref(self, node: Any) -> None:
         pass
 
+    def unref_all(self, nodes: list[Any]) -> None:
+        pass
+
     def remove(self, node: Any) -> None:
         del self._freq[node]
         if node in self._small:
@@ -176,6 +255,16 @@ class S3FIFO:
     def first(self) -> Any | None:
         """No O(1) answer: eviction moves queues, so callers scan ``candidates``."""
         return None
+
+    def pop_front(self, k: int) -> list[Any]:
+        """Nothing: see ``first``."""
+        return []
+
+    def push_front(self, nodes: list[Any]) -> None:
+        assert not nodes, "S3FIFO.pop_front hands out no nodes"
+
+    def tracked(self) -> set[Any]:
+        return set(self._freq)
 
     def candidates(self) -> Iterator[Any]:
         offered: set[Any] = set()

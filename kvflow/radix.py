@@ -118,6 +118,8 @@ class PrefixIndex:
         self.policies: list[EvictionPolicy] = [
             make_eviction_policy(eviction, cap) for cap in capacities
         ]
+        # Tiers that can hold copies at all: bulk paths skip the others.
+        self.tiers = tuple(t for t in TIERS if capacities[t] > 0)
         # READY copies with ref == 0, per tier: what eviction could free at most.
         self.unreferenced = [0, 0, 0]
 
@@ -170,6 +172,46 @@ class PrefixIndex:
         if node.parent is not None:
             node.parent.children -= 1
 
+    def add_computing(self, parent: Node | None, keys: Sequence[Hashable],
+                      device_ids: Sequence[int], now: int) -> list[Node]:
+        """Index a chain of new blocks below ``parent``, one per key, that a request
+        will compute into ``device_ids``: COMPUTING on the device, referenced once.
+
+        None of ``keys`` may be indexed yet. Bulk and inlined because every
+        missed block of every request comes through here.
+        """
+        out: list[Node] = []
+        if not keys:
+            return out
+        append = out.append
+        new = object.__new__
+        depth = 0 if parent is None else parent.depth + 1
+        up = parent
+        for key, d in zip(keys, device_ids, strict=True):
+            node = new(Node)  # (Node.__init__, skipped: its call costs more than the stores)
+            node.key = key
+            node.parent = up
+            node.depth = depth
+            node.children = 1  # the next node of the chain; the last is fixed below
+            node.loc = [d, -1, -1]
+            node.state = [COMPUTING, ABSENT, ABSENT]
+            node.inflight = NO_INFLIGHT
+            node.ref = 1
+            node.hits = 0
+            node.last_access = now
+            append(node)
+            up = node
+            depth += 1
+        out[-1].children = 0
+        if parent is not None:
+            parent.children += 1
+        nodes = self.nodes
+        size = len(nodes)
+        nodes.update(zip(keys, out, strict=True))
+        if len(nodes) != size + len(out):
+            raise AssertionError(f"add_computing: some of {keys!r} were already indexed")
+        return out
+
     def descendants(self, node: Node) -> list[Node]:
         """All nodes below ``node``, deepest first. O(index): for failure paths only."""
         out = []
@@ -191,6 +233,18 @@ class PrefixIndex:
         node.state[tier] = state
         if state == READY:
             self._became_ready(node, tier)
+
+    def mark_computed(self, nodes: Sequence[Node]) -> None:
+        """The device copies of these COMPUTING, referenced nodes were written: READY."""
+        policy = self.policies[Tier.DEVICE]
+        if policy.orders_referenced:
+            insert = policy.insert
+            for node in nodes:
+                node.state[0] = READY
+                insert(node)
+        else:  # the policy would ignore them until unref: skip the calls
+            for node in nodes:
+                node.state[0] = READY
 
     def mark_ready(self, node: Node, tier: int) -> None:
         assert node.state[tier] in (FILLING, COMPUTING), (node, tier)
@@ -247,7 +301,70 @@ class PrefixIndex:
                     self.unreferenced[t] += 1
                     self.policies[t].unref(node)
 
+    def release(self, nodes: Sequence[Node]) -> list[Node]:
+        """``unref`` each node, in the given order (tail-first along a prompt);
+        returns those whose count reached zero, in that order."""
+        released: list[Node] = []
+        append = released.append
+        for node in nodes:
+            r = node.ref - 1
+            node.ref = r
+            if r == 0:
+                append(node)
+            elif r < 0:
+                node.ref = 0
+                raise AssertionError(f"ref count of {node!r} would go negative")
+        if released:
+            for t in self.tiers:
+                ready = [n for n in released if n.state[t] == READY]
+                if ready:
+                    self.unreferenced[t] += len(ready)
+                    self.policies[t].unref_all(ready)
+        return released
+
     # -- eviction ----------------------------------------------------------------
+    def drop_front(self, tier: int, count: int) -> list[int]:
+        """Drop up to ``count`` copies from the front of ``tier``'s policy order,
+        stopping at the first that may not go; returns their block ids.
+
+        The common case of eviction, in bulk: victims come from the policy's
+        O(1) order and are dropped inline (``drop_copy`` plus ``_remove``). A
+        policy without one hands out nothing and the caller scans ``victims``.
+        """
+        policy = self.policies[tier]
+        taken = policy.pop_front(count)
+        ids: list[int] = []
+        if not taken:
+            return ids
+        append = ids.append
+        a, b = OTHER_TIERS[tier]
+        nodes = self.nodes
+        for node in taken:
+            st = node.state
+            if node.ref or st[tier] != READY:
+                break
+            sa = st[a]
+            sb = st[b]
+            if sa == ABSENT and sb == ABSENT:  # its last copy: the node goes
+                if node.children:
+                    break
+                del nodes[node.key]
+                parent = node.parent
+                if parent is not None:
+                    parent.children -= 1
+            elif node.children and sa not in USABLE and sb not in USABLE:
+                break  # an inner node whose only other copy is being computed
+            loc = node.loc
+            append(loc[tier])
+            loc[tier] = -1
+            st[tier] = ABSENT
+            if node.inflight is not NO_INFLIGHT:
+                node.inflight[tier] = None  # type: ignore[index]
+        if len(ids) < len(taken):
+            policy.push_front(taken[len(ids):])
+        self.unreferenced[tier] -= len(ids)
+        return ids
+
     def can_lose(self, node: Node, tier: int, copy_down: bool = False) -> bool:
         """Whether ``tier``'s copy may go without breaking refs or prefix closure.
 

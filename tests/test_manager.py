@@ -336,3 +336,28 @@ def test_aborted_sharer_of_a_failed_load_leaves_no_orphan():
     m.finish(sharer)
     assert all(n.state[Tier.DEVICE] != COMPUTING for n in m.index)
     m.check_invariants()
+
+
+def test_a_key_repeated_in_one_prompt_makes_the_rest_private():
+    # The bulk insert of new blocks must not index a key twice (the second
+    # would overwrite the first node): from the repeat on, blocks are private.
+    m = CacheManager(Capacities(8))
+    p = m.plan(1, ["a", "b", "a", "c"])
+    assert [n.key for n in p.computing] == ["a", "b"] and p.private == [2, 3]
+    assert len(set(p.device_ids)) == 4
+    m.commit(p)
+    m.finish(p)
+    m.check_invariants()
+    assert [n.key for n in m.match("ab")] == ["a", "b"]
+    # Adopted at finish under the block before it, as private blocks are.
+    assert m.index.get("c").parent is m.index.get("a") and m.pools[0].num_used == 3
+
+
+def test_eviction_hands_victims_blocks_to_the_plan():
+    m = CacheManager(Capacities(4))
+    p1, _ = run(m, 1, "abcd")
+    p2, _ = run(m, 2, "wxyz")  # evicts all of p1 (leaves first) for its own blocks
+    assert sorted(p2.device_ids) == sorted(p1.device_ids)
+    assert m.stats.evictions[0] == 4 and m.pools[0].num_free == 0
+    assert m.match("abcd") == [] and [n.key for n in m.match("wxyz")] == list("wxyz")
+    m.check_invariants()

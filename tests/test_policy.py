@@ -96,3 +96,33 @@ def test_prefetch_deadlines():
     assert t.deadline_s(10**6) == 0.05
     with pytest.raises(ConfigError, match="base_s"):
         PrefetchPolicy("timeout", base_s=-1)
+
+
+@pytest.mark.parametrize("make", [LRU, LFU])
+def test_pop_front_then_push_front_restores_the_order(make):
+    p = make()
+    ns = [N(i) for i in range(5)]
+    for n in ns:
+        p.insert(n)
+    taken = p.pop_front(3)
+    assert taken == ns[:3] and p.tracked() == set(ns[3:])
+    p.push_front(taken[1:])  # the caller kept ns[0]
+    assert list(p.candidates()) == ns[1:] and p.tracked() == set(ns[1:])
+    assert p.pop_front(10) == ns[1:] and p.pop_front(1) == []
+
+
+def test_lfu_pop_front_takes_from_the_lowest_bucket_only():
+    p = LFU()
+    a, b, c = N("a", 0), N("b", 2), N("c", 0)
+    for n in (a, b, c):
+        p.insert(n)
+    assert p.pop_front(3) == [a, c]
+    p.push_front([c])
+    assert list(p.candidates()) == [c, b]
+
+
+def test_s3fifo_pop_front_hands_out_nothing():
+    p = S3FIFO(capacity=4)
+    a = N("a")
+    p.insert(a)
+    assert p.pop_front(1) == [] and p.tracked() == {a}
