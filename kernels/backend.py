@@ -56,6 +56,9 @@ class CudaTask:
     finished: bool = False
     #: False when the op failed before anything was enqueued (nothing was written).
     started: bool = False
+    #: With ``CudaBackend.record_starts``: a timing event recorded once the first layer's
+    #: waits are enqueued, right before its copy (it completes when the op starts on its link).
+    start_event: object = None
     _owner: CudaBackend | None = field(default=None, repr=False)
 
     @property
@@ -197,6 +200,8 @@ class CudaBackend:
         self.device = cp.cuda.runtime.getDevice() if device is None else device
         self._loop = loop
         self._event_pool: list[object] = []
+        #: Give every task a ``start_event`` (replays time each op's service with it).
+        self.record_starts = False
         L = self.num_layers
         with cp.cuda.Device(self.device):
             self._dev = [cp.empty((L, num_device_blocks, b), dtype=np.uint8)
@@ -270,6 +275,9 @@ class CudaBackend:
                 last = layer + count - 1
                 for h in deps:  # their layers land in order: waiting on `last` covers the group
                     stream.wait_event(h.events[last])
+                if layer == 0 and self.record_starts:
+                    task.start_event = self._cp.cuda.Event()
+                    task.start_event.record(stream)
                 copier.launch(prep, stream, layer, count)
                 for i in range(layer, last + 1):
                     events[i].record(stream)

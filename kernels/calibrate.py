@@ -57,18 +57,20 @@ def fit_link(points: Sequence[tuple[float, float]], units: int) -> tuple[float, 
     """(latency_s, bandwidth_Bps) of the link model from (bytes per op, seconds per op).
 
     An op is ``units`` per-layer units on the link, each ``latency + bytes / bw``:
-    ``t = units * latency + bytes / bw``. Least squares on (1, bytes); a negative
-    latency (noise on fast links) is clamped to 0 and the bandwidth refitted.
+    ``t = units * latency + bytes / bw``. Least squares on (1, bytes) in relative
+    terms (each row divided by its time), so the engine's common small ops count
+    as much as the few large ones; a negative latency (noise on fast links) is
+    clamped to 0 and the bandwidth refitted.
     """
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
     if len(x) < 2 or np.ptp(x) == 0:
         raise ValueError("fit_link needs ops of at least two sizes")
-    a = np.vstack([np.full_like(x, units), x]).T
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, y, rcond=None)
+    a = np.vstack([np.full_like(x, units), x]).T / y[:, None]
+    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
     if lat < 0 or inv_bw <= 0:
         lat = 0.0
-        inv_bw = float(np.dot(x, y) / np.dot(x, x))
+        inv_bw = float(np.mean(y / x))
     return float(lat), float(1.0 / inv_bw)
 
 
@@ -327,7 +329,7 @@ async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], li
 
 
 async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
-                                sizes: Sequence[int] = (1, 2, 4, 8, 16),
+                                sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 16),
                                 stream_priority: int | None = None,
                                 under_load: bool = False, dma: str = "auto") -> dict[str, Any]:
     """CudaBackend ops of k scattered blocks each way (and both at once); fitted link models.
@@ -483,8 +485,11 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     cp = cupy_module()
     shape = ModelShape.from_spec(spec)
     bt = spec.block_tokens
+    # Long prompts arrive as full chunks at growing contexts: 8192@16384 and @32768 are
+    # where a long-context replay spends its time.
     prefills = [(512, 0), (2048, 0), (8192, 0), (1024, 2048), (1024, 4096), (4096, 4096),
-                (2048, 8192), (8192, 8192), (4096, 16384), (1024, 32768), (256, 4096)]
+                (2048, 8192), (8192, 8192), (4096, 16384), (1024, 32768), (256, 4096),
+                (8192, 16384), (8192, 32768), (2048, 32768)]
     decodes = [(1, 1024), (8, 4096), (32, 4096), (32, 8192), (64, 2048)]
     mixed = [((2048, 0), (16, 4096))]
     need = max(max(-(-(n + c) // bt) for n, c in prefills),

@@ -126,11 +126,13 @@ def env_backend_options() -> dict[str, Any]:
 def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> TransferLog:
     """A ``TransferLog`` timing each op with CUDA events on its stream.
 
-    The start event is recorded on the op's stream before its first launch
-    (it completes when the stream reaches the op), the end event right after
-    its last layer's copy: their difference is the op's time on its link.
+    The start is the task's ``start_event``, recorded after the waits for the
+    ops it depends on and right before its first layer's copy (it completes
+    when the op starts on its link, as the simulator's service time starts);
+    the end event is recorded right after its last layer's copy.
     """
     cp = cupy_module()
+    backend.record_starts = True
 
     def stream_of(op: TransferOp) -> Any:
         if (op.src_tier, op.dst_tier) == (Tier.HOST, Tier.DEVICE):
@@ -141,22 +143,19 @@ def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> Transfer
 
     def begin(op: TransferOp) -> Any:
         stream = stream_of(op)
-        if stream is None:
-            return None
-        start = cp.cuda.Event()
-        start.record(stream)
-        return [start, None, stream]
+        return None if stream is None else [None, stream]
 
     def end(token: Any) -> None:
         if token is not None:
-            token[1] = cp.cuda.Event()
-            token[1].record(token[2])
+            token[0] = cp.cuda.Event()
+            token[0].record(token[1])
 
     def service(handle: Any, token: Any) -> float | None:
-        if token is None or token[1] is None:
+        start = getattr(handle, "start_event", None)
+        if token is None or token[0] is None or start is None:
             return None
-        token[1].synchronize()  # at done time the GPU is past it (or a few us from it)
-        return cp.cuda.get_elapsed_time(token[0], token[1]) / 1e3
+        token[0].synchronize()  # at done time the GPU is past it (or a few us from it)
+        return cp.cuda.get_elapsed_time(start, token[0]) / 1e3
 
     return TransferLog(backend, loop, service, begin=begin, end=end)
 
