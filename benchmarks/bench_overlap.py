@@ -45,14 +45,16 @@ from kvflow.radix import Tier
 
 
 async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: int,
-              priority: int | None, sizes: list[int] | None) -> dict[str, Any]:
+              priority: int | None, sizes: list[int] | None,
+              dma: str = "auto") -> dict[str, Any]:
     """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in."""
     cp = cupy_module()
     spec = preset(model, block_tokens=block_tokens)
     bt = block_tokens
     extra = 2  # blocks per request for its new tokens (up to 2 * bt)
     k = requests * blocks
-    backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority)
+    backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
+                          dma=dma)
     ex = GpuExecutor(backend, seed=0, max_tokens=requests * extra * bt)
     await ex.warm_up(block=k + requests * extra)
     keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
@@ -126,7 +128,8 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     backend.synchronize()
     return {"model": spec.name, "layers": spec.num_layers, "block_tokens": bt,
             "requests": requests, "blocks_per_request": blocks, "cached_blocks": k,
-            "bytes": k * spec.bytes_per_block, "stream_priority": priority, "rows": rows}
+            "bytes": k * spec.bytes_per_block, "stream_priority": priority, "rows": rows,
+            "copy_path": "batched memcpy" if backend.use_dma else "swap kernel"}
 
 
 def main() -> None:
@@ -136,6 +139,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="the batch case only")
+    ap.add_argument("--copy-engine", default="auto", choices=("auto", "never", "always"),
+                    help="how loads move: by piece size (auto), swap kernel, batched memcpy")
     args = ap.parse_args()
     # (label, requests, cached blocks each, stream priorities)
     cases = [("batch", 8, 2, (None, HIGHEST_PRIORITY)), ("long context", 1, 16,
@@ -147,7 +152,7 @@ def main() -> None:
         sizes = None
         for prio in prios:
             r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
-                                sizes))
+                                sizes, args.copy_engine))
             sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for each priority
             r["case"] = label
             results.append(r)

@@ -309,20 +309,24 @@ def measure_raw_link(log: Log, nbytes: int = 256 << 20, reps: int = 5) -> dict[s
 
 async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], list[int]]],
                        ) -> list[float]:
-    """Submit ops at once (each on its own stream), return each one's event-timed seconds."""
+    """Submit ops at once (each on its own stream), return each one's event-timed seconds.
+
+    Timed as a GPU replay times them (``kernels.replay.cuda_transfer_log``): from
+    the task's start event, recorded right before its first copy (after the
+    host has validated and prepared the op), to an event after its last.
+    """
     from kernels.backend import FutureSink
 
     cp = cupy_module()
+    backend.record_starts = True
     recs = []
     for i, (src, dst, s, d) in enumerate(pairs):
         stream = backend.load_stream if dst == Tier.DEVICE else backend.store_stream
-        a = cp.cuda.Event()
-        a.record(stream)
         sink = FutureSink(backend.num_layers)
-        backend.submit(TransferOp(10_000 + i, OpKind.EVICT, src, dst, s, d, []), sink)
+        task = backend.submit(TransferOp(10_000 + i, OpKind.EVICT, src, dst, s, d, []), sink)
         b = cp.cuda.Event()
         b.record(stream)
-        recs.append((a, b, sink))
+        recs.append((task.start_event, b, sink))
     for _, _, sink in recs:
         await sink.wait()
     return [cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b, _ in recs]
