@@ -164,6 +164,10 @@ def fidelity(sim: dict[str, Any], gpu: dict[str, Any]) -> list[dict[str, Any]]:
                      "met": abs(s - g) < 1e-12})
     row("elapsed (trace span + drain)", sim.get("sim_time_s"), gpu.get("sim_time_s"), "s", None)
     row("requests", sim.get("requests"), gpu.get("requests"), "", None)
+    lag = ((gpu.get("device") or {}).get("arrival_lag_s") or {})
+    for p in ("p50", "p90"):
+        if lag.get(p) is not None:  # the simulator's arrivals are exact: none
+            row(f"GPU arrival lag {p}", 0.0, lag[p], "ms", None, 1e3)
     return rows
 
 

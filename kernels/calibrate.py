@@ -592,7 +592,9 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
     """An engine run: wall time minus GPU time per step, and every step as a fit point.
 
     Requests of 1k..8k prompt tokens (all at once) then decode together: chunked
-    prefills, mixed steps, and decode batches shrinking from 24 as they finish.
+    prefills, mixed steps, and decode batches shrinking from 24 as they finish
+    (outputs of 8 .. 2 x ``output_len`` tokens, so every batch size from 24 to 1
+    occurs and the host share's growth per sequence can be fitted).
     Steps taken by the engine are what the simulator must predict, so they join
     the synthetic grid in the fit (their GPU time, plus the mean host share).
     """
@@ -605,7 +607,8 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
     loop = asyncio.get_running_loop()
     bt = spec.block_tokens
     lens = [1024 * (1 + i % 8) for i in range(requests)]
-    caps = Capacities(sum(-(-(n + output_len) // bt) for n in lens) + 8)
+    outs = [8 + (2 * output_len * i) // requests for i in range(requests)]
+    caps = Capacities(sum(-(-(n + o) // bt) for n, o in zip(lens, outs, strict=True)) + 8)
     backend = CudaBackend(spec, caps.device, 1, stream_priority=stream_priority)
     ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 256)
     await ex.warm_up(block=caps.device - 1)
@@ -613,14 +616,14 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
     runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, ex, EngineConfig(bt, 8192, 256))
     ex.step_log = []
-    t0 = loop.time()
+    t0 = time.perf_counter()  # (uvloop's loop.time() counts whole milliseconds)
     busy0 = ex.busy_s
-    for i, n in enumerate(lens):
+    for i, (n, o) in enumerate(zip(lens, outs, strict=True)):
         keys = tuple(("cal", i, b) for b in range(-(-n // bt)))
-        engine.add(EngineRequest(i, 0.0, keys, n, output_len))
+        engine.add(EngineRequest(i, 0.0, keys, n, o))
     engine.close()
     await engine.run()
-    wall = loop.time() - t0
+    wall = time.perf_counter() - t0
     steps = engine.stats.steps
     busy = ex.busy_s - busy0
     overhead = max(wall - busy, 0.0) / steps
@@ -631,12 +634,16 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
         kind = "mixed" if pre and dec else "prefill" if pre else "decode"
         points.append(step_point(f"engine {kind} {sum(n for n, _ in pre)}+{len(dec)}", spec,
                                  pre, dec, gpu))
-    fixed, per_seq = host_share_fit([r[4] for r in ex.step_log], [r[2] for r in ex.step_log],
-                                    [len(r[0]) + len(r[1]) for r in ex.step_log])
+    starts = [r[4] for r in ex.step_log]
+    gpus = [r[2] for r in ex.step_log]
+    seqs = [len(r[0]) + len(r[1]) for r in ex.step_log]
+    fixed, per_seq = host_share_fit(starts, gpus, seqs)
     log(f"host share per step: {fixed * 1e3:.3f} ms + {per_seq * 1e6:.1f} us per sequence "
         "(gaps between step starts, less GPU time)")
     return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead,
-            "host_fixed_s": fixed, "host_per_seq_s": per_seq, "points": points}
+            "host_fixed_s": fixed, "host_per_seq_s": per_seq, "points": points,
+            "host_steps": [(n, round(b - a - g, 7)) for n, a, b, g
+                           in zip(seqs, starts, starts[1:], gpus, strict=False)]}
 
 
 @dataclasses.dataclass
