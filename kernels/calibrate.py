@@ -53,25 +53,56 @@ _H2D, _D2H = 1, 2
 
 
 # ----------------------------------------------------------------------- pure fitting
-def fit_link(points: Sequence[tuple[float, float]], units: int) -> tuple[float, float]:
+def fit_link(points: Sequence[tuple[float, float]], units: int,
+             max_bandwidth_Bps: float | None = None) -> tuple[float, float]:
     """(latency_s, bandwidth_Bps) of the link model from (bytes per op, seconds per op).
 
     An op is ``units`` per-layer units on the link, each ``latency + bytes / bw``:
-    ``t = units * latency + bytes / bw``. Least squares on (1, bytes) in relative
-    terms (each row divided by its time), so the engine's common small ops count
-    as much as the few large ones; a negative latency (noise on fast links) is
-    clamped to 0 and the bandwidth refitted.
+    ``t = units * latency + bytes / bw``. Fitted in relative terms (each row
+    divided by its time), so the engine's common small ops count as much as
+    the few large ones, and robustly: a size disturbed by a stall of a
+    millisecond or two (a shared machine; a first batch over fresh addresses)
+    must not tilt the line. The line through the pair of points with the
+    smallest median relative residual picks the inliers (within 3x that
+    median, or 5%); least squares over those gives the fit. A negative latency
+    is clamped to 0 and the bandwidth refitted; a bandwidth above
+    ``max_bandwidth_Bps`` (the raw ceiling) is held there and the latency refitted.
     """
     x = np.array([p[0] for p in points], dtype=float)
     y = np.array([p[1] for p in points], dtype=float)
     if len(x) < 2 or np.ptp(x) == 0:
         raise ValueError("fit_link needs ops of at least two sizes")
-    a = np.vstack([np.full_like(x, units), x]).T / y[:, None]
-    (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(y), rcond=None)
-    if lat < 0 or inv_bw <= 0:
-        lat = 0.0
-        inv_bw = float(np.mean(y / x))
-    return float(lat), float(1.0 / inv_bw)
+
+    def solve(xs: np.ndarray, ys: np.ndarray) -> tuple[float, float]:
+        a = np.vstack([np.full_like(xs, units), xs]).T / ys[:, None]
+        (lat, inv_bw), *_ = np.linalg.lstsq(a, np.ones_like(ys), rcond=None)
+        if lat < 0 or inv_bw <= 0:
+            return 0.0, float(np.mean(ys / xs))
+        if max_bandwidth_Bps and 1.0 / inv_bw > max_bandwidth_Bps:
+            inv_bw = 1.0 / max_bandwidth_Bps
+            lat = max(float(np.mean(1.0 - xs * inv_bw / ys) / np.mean(units / ys)), 0.0)
+        return float(lat), float(inv_bw)
+
+    def residuals(lat: float, inv_bw: float) -> np.ndarray:
+        return np.abs((units * lat + x * inv_bw) / y - 1.0)
+
+    best: tuple[float, np.ndarray] | None = None
+    for i in range(len(x)):
+        for j in range(i + 1, len(x)):
+            if x[i] == x[j]:
+                continue
+            r = residuals(*solve(x[[i, j]], y[[i, j]]))
+            med = float(np.median(r))
+            if best is None or med < best[0]:
+                best = (med, r)
+    if best is None:  # pragma: no cover - ptp > 0 guarantees a pair
+        return solve(x, y)[0], 1.0 / solve(x, y)[1]
+    med, r = best
+    keep = r <= max(3 * med, 0.05)
+    if keep.sum() < 2:
+        keep[:] = True
+    lat, inv_bw = solve(x[keep], y[keep])
+    return lat, 1.0 / inv_bw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +366,8 @@ async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], li
 async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                                 sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 16),
                                 stream_priority: int | None = None,
-                                under_load: bool = False, dma: str = "auto") -> dict[str, Any]:
+                                under_load: bool = False, dma: str = "auto",
+                                ceilings: dict[str, float] | None = None) -> dict[str, Any]:
     """CudaBackend ops of k scattered blocks each way (and both at once); fitted link models.
 
     ``under_load``: while ``GpuExecutor`` steps run back to back on other blocks
@@ -384,7 +416,10 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                            "copy_path": "copy engine (batched)" if backend.use_dma
                            else "swap kernel"}
     for name, src, dst in (("h2d", Tier.HOST, Tier.DEVICE), ("d2h", Tier.DEVICE, Tier.HOST)):
-        await _backend_ops(backend, [(src, dst, [0], [0])])  # warm up
+        # Warm up every size once: a first batch over fresh addresses can stall.
+        for k in sizes:
+            await _backend_ops(backend, [(src, dst, rng.permutation(n)[:k].tolist(),
+                                          rng.permutation(n)[:k].tolist())])
         pts = []
         for k in sizes:
             ts = []
@@ -393,7 +428,7 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                 d = rng.permutation(n)[:k].tolist()
                 ts += await _backend_ops(backend, [(src, dst, s, d)])
             pts.append((k * per_block, statistics.median(ts)))
-        lat, bw = fit_link(pts, units)
+        lat, bw = fit_link(pts, units, max_bandwidth_Bps=(ceilings or {}).get(f"{name}_Bps"))
         out[name] = {"latency_s": lat, "bandwidth_Bps": bw,
                      "points": [(b, t) for b, t in pts]}
         log(f"backend {name}{' under load' if under_load else ''}: {bw / 1e9:.2f} GB/s, "
@@ -702,10 +737,11 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     reps = 3 if quick else 5
     raw = measure_raw_link(log, reps=reps)
     idle = asyncio.run(measure_backend_links(spec, log, reps=reps,
-                                             stream_priority=stream_priority, dma=dma))
+                                             stream_priority=stream_priority, dma=dma,
+                                             ceilings=raw))
     links = asyncio.run(measure_backend_links(spec, log, reps=reps + 2,
                                               stream_priority=stream_priority, under_load=True,
-                                              dma=dma))
+                                              dma=dma, ceilings=raw))
     kernels = measure_swap_kernels(log, reps=reps,
                                    ctas=(2, 4, 16) if quick else (2, 4, 8, 16))
     mm = measure_matmuls(log, reps=reps)

@@ -51,6 +51,22 @@ def test_fit_link_recovers_latency_and_bandwidth() -> None:
         fit_link([(1e6, 1e-4)], units)
 
 
+def test_fit_link_ignores_a_stalled_size_and_respects_the_ceiling() -> None:
+    """A size whose ops hit a stall (a shared GPU, a first batch over fresh
+    addresses) must not tilt the line; nor may a fit beat the raw ceiling."""
+    units, lat, bw = 4, 15e-6, 54e9
+    sizes = [k * 8 * 2**20 for k in (1, 2, 3, 4, 6, 8, 16)]
+    pts = [(b, units * lat + b / bw) for b in sizes]
+    stalled = list(pts)
+    stalled[4] = (sizes[4], pts[4][1] + 1.5e-3)   # 6 blocks: +1.5 ms
+    got_lat, got_bw = fit_link(stalled, units)
+    assert got_bw == pytest.approx(bw, rel=1e-3) and got_lat == pytest.approx(lat, rel=0.02)
+    # a slow first op (1 block) would read as 62 GB/s + 43 us without the ceiling
+    slow_small = [(sizes[0], 0.386e-3), *pts[1:]]
+    lat_c, bw_c = fit_link(slow_small, units, max_bandwidth_Bps=55e9)
+    assert bw_c <= 55e9 and bw_c == pytest.approx(bw, rel=0.02)
+
+
 def test_step_terms_match_the_cost_model() -> None:
     prof = replace(PROFILES["h100"], attention_mfu=0.2, step_overhead_per_seq_s=30e-6)
     cm = CostModel(SPEC, prof)
