@@ -111,7 +111,8 @@ class StepPoint:
 
     ``flops`` counts weights and attention together; ``attn_flops`` is the
     attention part (it runs at its own rate); ``seqs`` the sequences in the
-    step (the host's share grows with them).
+    step and ``prefills`` how many of them are prefill items (the host's share
+    grows with both).
     """
 
     label: str
@@ -120,6 +121,7 @@ class StepPoint:
     seconds: float     # whole step
     attn_flops: float = 0.0
     seqs: int = 0
+    prefills: int = 0
 
 
 def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
@@ -145,17 +147,17 @@ def step_point(label: str, spec: ModelSpec, prefill: Sequence[tuple[int, int]],
     attn = cm.attention_flops_per_pair * pairs
     return StepPoint(label, cm.weight_flops_per_token * tokens + attn,
                      cm.weight_bytes + cm.kv_bytes_per_token * kv, seconds, attn,
-                     len(prefill) + len(decode))
+                     len(prefill) + len(decode), len(prefill))
 
 
 def roofline(point: StepPoint, layers: int, peak: float, hbm: float, mfu: float,
              mbu: float, overhead: float = 0.0, attention_mfu: float = 0.0,
-             per_seq: float = 0.0) -> float:
+             per_seq: float = 0.0, per_prefill: float = 0.0) -> float:
     """The simulator's step time (``sim.cost.CostModel.step_time``) for ``point``."""
     attn = attention_mfu or mfu
     compute = (point.flops - point.attn_flops) / (peak * mfu) + point.attn_flops / (peak * attn)
     return (layers * max(compute, point.nbytes / (hbm * mbu)) + overhead
-            + per_seq * point.seqs)
+            + per_seq * point.seqs + per_prefill * point.prefills)
 
 
 class RooflineFit(NamedTuple):
@@ -168,6 +170,7 @@ class RooflineFit(NamedTuple):
 
 def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: float,
                  overheads: Sequence[float] | None = None, per_seq: float = 0.0,
+                 per_prefill: float = 0.0,
                  split_attention: bool = True) -> RooflineFit:
     """Efficiencies and fixed step cost minimising the squared log error of the step time.
 
@@ -187,7 +190,7 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
     attn = np.array([p.attn_flops for p in points]) * layers / peak
     weights = np.array([p.flops for p in points]) * layers / peak - attn
     nbytes = np.array([p.nbytes for p in points]) * layers / hbm
-    host = per_seq * np.array([p.seqs for p in points], dtype=float)
+    host = np.array([per_seq * p.seqs + per_prefill * p.prefills for p in points])
     split = split_attention and bool(attn.any())
     if overheads is None:
         overheads = np.linspace(0.0, 0.9 * min(p.seconds for p in points), 46)
@@ -225,25 +228,51 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
     return RooflineFit(a, b, c, math.sqrt(e), a2 if split else a)
 
 
-def host_share_fit(starts: Sequence[float], gpu: Sequence[float],
-                   seqs: Sequence[int]) -> tuple[float, float]:
-    """``(fixed, per sequence)`` seconds of host time per engine step, by least squares.
+class HostShare(NamedTuple):
+    """Host time per engine step not covered by GPU time: fixed + per sequence + per prefill."""
+
+    fixed: float
+    per_seq: float
+    per_prefill: float
+
+    def of(self, seqs: int, prefills: int) -> float:
+        return self.fixed + self.per_seq * seqs + self.per_prefill * prefills
+
+
+def host_share_fit(starts: Sequence[float], gpu: Sequence[float], seqs: Sequence[int],
+                   prefills: Sequence[int] | None = None) -> HostShare:
+    """The host's share per engine step, by least squares on (1, sequences, prefill items).
 
     A step's host share is the time from its start to the next step's start
-    not covered by its GPU time. The slowest 5% (GC pauses, first-touch
-    allocations) are left out; a negative slope is clamped to 0.
+    not covered by its GPU time. A prefill item costs more host work than a
+    decode (admission, its plan and loads, token and table uploads), hence
+    its own term. Steps off the first fit by more than its 95th percentile
+    residual (GC pauses, first-touch allocations) are left out of the second;
+    a negative term is dropped and the rest refitted.
     """
     host = np.diff(np.asarray(starts, dtype=float)) - np.asarray(gpu[:-1], dtype=float)
-    n = np.asarray(seqs[:-1], dtype=float)
     if host.size < 3:
-        return float(max(host.mean(), 0.0)) if host.size else 0.0, 0.0
-    keep = host <= np.quantile(host, 0.95)
-    host, n = host[keep], n[keep]
-    if np.ptp(n) > 0:
-        slope, fixed = np.polyfit(n, host, 1)
-        if slope >= 0 and fixed >= 0:
-            return float(fixed), float(slope)
-    return float(max(host.mean(), 0.0)), 0.0
+        return HostShare(float(max(host.mean(), 0.0)) if host.size else 0.0, 0.0, 0.0)
+    cols = [np.ones_like(host), np.asarray(seqs[:-1], dtype=float),
+            np.asarray((prefills or [0] * len(seqs))[:-1], dtype=float)]
+    active = [0] + [k for k in (1, 2) if np.ptp(cols[k]) > 0]
+
+    def solve(mask: np.ndarray) -> np.ndarray:
+        use = list(active)
+        while True:
+            a = np.stack([cols[k][mask] for k in use], axis=1)
+            coef, *_ = np.linalg.lstsq(a, host[mask], rcond=None)
+            bad = [k for k, c in zip(use, coef, strict=True) if k and c < 0]
+            if not bad:
+                out = np.zeros(3)
+                out[use] = coef
+                return out
+            use.remove(bad[0])
+
+    coef = solve(np.ones_like(host, dtype=bool))
+    resid = host - sum(coef[k] * cols[k] for k in range(3))
+    coef = solve(resid <= np.quantile(resid, 0.95))
+    return HostShare(float(max(coef[0], 0.0)), float(coef[1]), float(coef[2]))
 
 
 def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
@@ -672,13 +701,17 @@ async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
     starts = [r[4] for r in ex.step_log]
     gpus = [r[2] for r in ex.step_log]
     seqs = [len(r[0]) + len(r[1]) for r in ex.step_log]
-    fixed, per_seq = host_share_fit(starts, gpus, seqs)
-    log(f"host share per step: {fixed * 1e3:.3f} ms + {per_seq * 1e6:.1f} us per sequence "
-        "(gaps between step starts, less GPU time)")
+    prefills = [len(r[0]) for r in ex.step_log]
+    share = host_share_fit(starts, gpus, seqs, prefills)
+    fixed, per_seq = share.fixed, share.per_seq
+    log(f"host share per step: {fixed * 1e3:.3f} ms + {per_seq * 1e6:.1f} us per sequence + "
+        f"{share.per_prefill * 1e6:.1f} us per prefill item (gaps between step starts, "
+        "less GPU time)")
     return {"steps": steps, "wall_s": wall, "gpu_s": busy, "step_overhead_s": overhead,
-            "host_fixed_s": fixed, "host_per_seq_s": per_seq, "points": points,
-            "host_steps": [(n, round(b - a - g, 7)) for n, a, b, g
-                           in zip(seqs, starts, starts[1:], gpus, strict=False)]}
+            "host_fixed_s": fixed, "host_per_seq_s": per_seq,
+            "host_per_prefill_s": share.per_prefill, "points": points,
+            "host_steps": [(n, p, round(b - a - g, 7)) for n, p, a, b, g
+                           in zip(seqs, prefills, starts, starts[1:], gpus, strict=False)]}
 
 
 @dataclasses.dataclass
@@ -753,14 +786,18 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     # fixed + per sequence); the simulator charges roofline + step_overhead_s +
     # step_overhead_per_seq_s per sequence: fit the rest to that.
     host, per_seq = over["host_fixed_s"], over["host_per_seq_s"]
+    per_prefill = over["host_per_prefill_s"]
     engine_pts = over.pop("points")
-    steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs)
+    steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs
+                                 + per_prefill * p.prefills)
              for p in [*exe["points"], *engine_pts]]
     mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
-                                                  b.hbm_bytes_per_s, per_seq=per_seq)
+                                                  b.hbm_bytes_per_s, per_seq=per_seq,
+                                                  per_prefill=per_prefill)
     rows = [{"step": p.label, "measured_s": p.seconds,
              "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
-                                     mfu, mbu, fixed, attn_mfu, per_seq)} for p in steps]
+                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill)}
+            for p in steps]
     log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms + "
         f"{per_seq * 1e6:.1f} us/seq host): mfu {mfu:.4f}, attention_mfu {attn_mfu:.4f}, "
         f"mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step (rms log error {rms:.3f})")
@@ -782,6 +819,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "hbm_bytes_per_s": b.hbm_bytes_per_s, "mbu": round(mbu, 5),
         "memory_bytes": float(total), "step_overhead_s": fixed,
         "step_overhead_per_seq_s": per_seq,
+        "step_overhead_per_prefill_s": per_prefill,
         "h2d": {"bandwidth_Bps": links["h2d"]["bandwidth_Bps"],
                 "latency_s": links["h2d"]["latency_s"]},
         "d2h": {"bandwidth_Bps": links["d2h"]["bandwidth_Bps"],
@@ -790,6 +828,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
                         "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
+                        "host_per_prefill_s": per_prefill,
                         "rms_log_error": rms, "steps": rows},
                        over, profile, time.perf_counter() - t0)
 
@@ -819,12 +858,14 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         f"cuBLAS fp16 8192^3 {cal.matmuls['cublas_fp16_8192_flops'] / 1e12:.0f} TFLOP/s; "
         f"device copy {cal.matmuls['hbm_copy_Bps'] / 1e12:.2f} TB/s (read + write).",
         f"Fitted to GPU step time + the host's share per step ({cal.fit['host_s'] * 1e3:.3f} ms"
-        f" + {cal.fit.get('host_per_seq_s', 0.0) * 1e6:.1f} us per sequence, fitted to the gaps"
-        f" between the {cal.overhead['steps']} steps of an engine run: wall "
+        f" + {cal.fit.get('host_per_seq_s', 0.0) * 1e6:.1f} us per sequence + "
+        f"{cal.fit.get('host_per_prefill_s', 0.0) * 1e6:.1f} us per prefill item, fitted to "
+        f"the gaps between the {cal.overhead['steps']} steps of an engine run: wall "
         f"{cal.overhead['wall_s']:.3f} s, GPU {cal.overhead['gpu_s']:.3f} s),",
         "so step_overhead_s is the fixed host share plus the per-step GPU floor the roofline",
         "misses (small-M GEMMs stream weights far below HBM speed), and",
-        "step_overhead_per_seq_s the host's growth per sequence.",
+        "step_overhead_per_seq_s / _per_prefill_s the host's growth per sequence and per",
+        "prefill item.",
         "",
         f"Links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 scattered "
         "blocks "

@@ -124,6 +124,30 @@ def env_backend_options() -> dict[str, Any]:
     return out
 
 
+def fine_clock(loop: asyncio.AbstractEventLoop) -> Callable[[], float]:
+    """``time.perf_counter`` shifted onto ``loop.time()``'s scale (sub-microsecond steps)."""
+    offset = loop.time() - time.perf_counter()
+    return lambda: time.perf_counter() + offset
+
+
+#: How long before an arrival ``sleep_until`` stops trusting the loop's timers.
+_TIMER_SLACK_S = 2e-3
+
+
+async def sleep_until(clock: Callable[[], float], due: float) -> None:
+    """Return at ``due`` on ``clock`` to within a few microseconds.
+
+    The loop's timer takes it to within ``_TIMER_SLACK_S``; then it yields to
+    the loop until the moment comes, so the engine keeps running meanwhile
+    (the spin costs CPU, never the engine's progress).
+    """
+    ahead = due - clock() - _TIMER_SLACK_S
+    if ahead > 0:
+        await asyncio.sleep(ahead)
+    while clock() < due:
+        await asyncio.sleep(0)
+
+
 def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> TransferLog:
     """A ``TransferLog`` timing each op with CUDA events on its stream.
 
@@ -229,15 +253,19 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     if progress is not None:
         engine.on_finish = lambda st: progress(len(engine.done), total)
     sampler = _Sampler(engine, log, executor, cfg.sample_interval_s)
-    start = loop.time()
+    # Timestamps and arrivals on a fine clock aligned with the loop's: uvloop's
+    # timers and loop.time() count whole milliseconds, which would add up to a
+    # millisecond or two of harness lateness to every TTFT.
+    clock = fine_clock(loop)
+    engine.clock = clock
+    start = clock()
     lags: list[float] = []
 
     async def feed() -> None:
         for req in setup.requests:
-            delay = start + req.arrival_s - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            lags.append(loop.time() - start - req.arrival_s)
+            due = start + req.arrival_s
+            await sleep_until(clock, due)
+            lags.append(clock() - due)
             engine.add(req)
         engine.close()
 
@@ -251,7 +279,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     finally:
         sample_task.cancel()
     sampler.sample()
-    end = loop.time()
+    end = clock()
     backend.synchronize()
     if inspect is not None:
         inspect(manager, runtime)

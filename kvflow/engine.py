@@ -139,6 +139,10 @@ class Engine:
         self.config = config
         self.prefetch_policy: PrefetchPolicy = manager.prefetch_policy
         self.loop = runtime.loop
+        #: Where request timestamps (admit, first token, finish) come from: the loop's
+        #: clock by default; a real-time replay may give a finer one on the same scale
+        #: (uvloop's counts whole milliseconds).
+        self.clock: Callable[[], float] = self.loop.time
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.done: list[RequestState] = []
@@ -262,7 +266,7 @@ class Engine:
                 manager.release(st.reservation)
                 st.reservation = None
             st.plan = plan
-            st.admit_s = self.loop.time()
+            st.admit_s = self.clock()
             st.hits = self._served_from(st, plan.num_cached)
             st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
             st.tasks = []
@@ -422,7 +426,7 @@ class Engine:
 
     # -- progress ------------------------------------------------------------------------
     def _advance(self, members: list[tuple[RequestState, int]]) -> None:
-        now = self.loop.time()
+        now = self.clock()
         manager = self.manager
         for st, n in members:
             if st.first_token_s is None:

@@ -17,7 +17,8 @@ and attention kernels reach different fractions of the peak (measured: 170-177
 against 89-105 TFLOP/s on one H100 executor). Bytes are the layer's bf16
 weights, read once per step, plus the KV the batch reads (and, for prefill,
 writes). A step adds ``step_overhead_s`` plus ``step_overhead_per_seq_s`` per
-sequence in the batch: the host's share grows with the batch it schedules.
+sequence in the batch and ``step_overhead_per_prefill_s`` per prefill item: the
+host's share grows with the batch it schedules.
 It ignores activations and the MoE effect that a large batch touches more
 than the active experts.
 """
@@ -50,9 +51,11 @@ class GpuProfile:
     bandwidth and ``mbu`` the fraction of it reached (1.0 in the presets: the
     plain datasheet roofline; calibration lowers it). ``step_overhead_s`` is
     host-side time per engine step (scheduling, sampling, launches) that does
-    not overlap the GPU work, and ``step_overhead_per_seq_s`` its growth per
-    sequence in the step. ``attention_mfu`` is the fraction of the peak that
-    attention reaches; 0 means "same as ``mfu``" (the presets).
+    not overlap the GPU work, ``step_overhead_per_seq_s`` its growth per
+    sequence in the step and ``step_overhead_per_prefill_s`` the extra for each
+    prefill item (admission, plan, loads, uploads). ``attention_mfu`` is the
+    fraction of the peak that attention reaches; 0 means "same as ``mfu``"
+    (the presets).
     """
 
     name: str
@@ -68,6 +71,7 @@ class GpuProfile:
     mbu: float = 1.0
     attention_mfu: float = 0.0
     step_overhead_per_seq_s: float = 0.0
+    step_overhead_per_prefill_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,7 +94,7 @@ def _problem(key: str, value: Any) -> str | None:
         return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
-    if key in ("step_overhead_s", "step_overhead_per_seq_s"):
+    if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 
@@ -269,6 +273,7 @@ class CostModel:
         self._sec_per_byte = 1.0 / (profile.hbm_bytes_per_s * profile.mbu)
         self._overhead = profile.step_overhead_s
         self._overhead_per_seq = profile.step_overhead_per_seq_s
+        self._overhead_per_prefill = profile.step_overhead_per_prefill_s
 
     def layer_time_totals(self, tokens: float, attention_pairs: float, kv_tokens: float) -> float:
         """Layer time from batch totals (for callers keeping running sums).
@@ -305,4 +310,5 @@ class CostModel:
         if t <= 0:
             return 0.0
         seqs = len(prefill) + len(decode_contexts)
-        return self.num_layers * t + self._overhead + self._overhead_per_seq * seqs
+        return (self.num_layers * t + self._overhead + self._overhead_per_seq * seqs
+                + self._overhead_per_prefill * len(prefill))

@@ -57,7 +57,8 @@ def test_mixed_batch_with_cached_prefix() -> None:
 
 def test_attention_at_its_own_rate_and_host_share_per_sequence() -> None:
     """Calibrated profiles split the compute rate and grow the step's host share with the batch."""
-    prof = replace(H100, attention_mfu=0.125, step_overhead_per_seq_s=20e-6)
+    prof = replace(H100, attention_mfu=0.125, step_overhead_per_seq_s=20e-6,
+                   step_overhead_per_prefill_s=0.3e-3)
     cm = CostModel(LLAMA8B, prof)
     # prefill 1024 at 2048 cached: weights at 0.5 of the peak, attention at 0.125
     weights = 2 * 250_937_500 * 1024 / (989.4e12 * 0.5)
@@ -69,7 +70,10 @@ def test_attention_at_its_own_rate_and_host_share_per_sequence() -> None:
     # host share: fixed + per sequence (one prefill + three decodes = 4)
     step = cm.step_time([(1024, 2048)], [10, 20, 30])
     layer = cm.layer_time([(1024, 2048)], [10, 20, 30])
-    assert step == pytest.approx(32 * layer + 0.5e-3 + 4 * 20e-6, rel=1e-12)
+    assert step == pytest.approx(32 * layer + 0.5e-3 + 4 * 20e-6 + 0.3e-3, rel=1e-12)
+    decode_only = cm.step_time([], [10, 20, 30])
+    assert decode_only == pytest.approx(32 * cm.layer_time([], [10, 20, 30]) + 0.5e-3
+                                        + 3 * 20e-6, rel=1e-12)
     assert cm.step_time([], []) == 0.0
     with pytest.raises(ConfigError, match=r"GpuProfile\.attention_mfu"):
         replace(H100, attention_mfu=1.5)
