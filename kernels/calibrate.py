@@ -228,6 +228,20 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
     return RooflineFit(a, b, c, math.sqrt(e), a2 if split else a)
 
 
+def pcie_duplex(links: dict[str, Any]) -> float:
+    """Each direction's share of its one-way bandwidth with both ways busy (``Hierarchy.duplex``).
+
+    From ``measure_backend_links``: the both-ways rates over the one-way fits,
+    averaged over the two directions, within [0.5, 1].
+    """
+    both = links.get("both") or {}
+    shares = [both[f"{d}_Bps"] / links[d]["bandwidth_Bps"] for d in ("h2d", "d2h")
+              if both.get(f"{d}_Bps") and links.get(d, {}).get("bandwidth_Bps")]
+    if not shares:
+        return 1.0
+    return round(min(max(sum(shares) / len(shares), 0.5), 1.0), 4)
+
+
 class HostShare(NamedTuple):
     """Host time per engine step not covered by GPU time: fixed + per sequence + per prefill."""
 
@@ -824,6 +838,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                 "latency_s": links["h2d"]["latency_s"]},
         "d2h": {"bandwidth_Bps": links["d2h"]["bandwidth_Bps"],
                 "latency_s": links["d2h"]["latency_s"]},
+        "pcie_duplex": pcie_duplex(links),
     }
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,

@@ -55,7 +55,8 @@ class GpuProfile:
     sequence in the step and ``step_overhead_per_prefill_s`` the extra for each
     prefill item (admission, plan, loads, uploads). ``attention_mfu`` is the
     fraction of the peak that attention reaches; 0 means "same as ``mfu``"
-    (the presets).
+    (the presets). ``pcie_duplex``: the share of each PCIe direction's
+    bandwidth left while the other also carries data (``sim.hierarchy``).
     """
 
     name: str
@@ -72,6 +73,7 @@ class GpuProfile:
     attention_mfu: float = 0.0
     step_overhead_per_seq_s: float = 0.0
     step_overhead_per_prefill_s: float = 0.0
+    pcie_duplex: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -90,7 +92,7 @@ def _problem(key: str, value: Any) -> str | None:
         return None if isinstance(value, Link) else f"must be a Link, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
-    if key in ("mfu", "mbu"):
+    if key in ("mfu", "mbu", "pcie_duplex"):
         return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"

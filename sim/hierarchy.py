@@ -4,8 +4,11 @@ Four links, each independent of the others:
 
 * ``h2d`` and ``d2h`` — PCIe host -> device and device -> host. PCIe is full
   duplex and a GPU has a copy engine per direction, so a load never waits for
-  a store (DESIGN.md: 55 GB/s each way on an H100; both ways at once is a
-  profile matter — set each direction to what it reaches under duplex load).
+  a store (DESIGN.md: 55 GB/s each way on an H100). Both ways at once, each
+  direction gets somewhat less (device->host data and host->device read
+  requests share the upstream lanes; measured ~0.9 of one-way on an H100):
+  ``Hierarchy.duplex`` is that fraction, applied to a unit whose link starts
+  it while the opposite direction has a unit on the wire.
 * ``storage_read`` and ``storage_write`` — storage -> (host or device) and
   (host or device) -> storage.
 
@@ -128,17 +131,28 @@ _INF = float("inf")
 
 @dataclass(frozen=True)
 class Hierarchy:
-    """The four links of one GPU's node."""
+    """The four links of one GPU's node, and how PCIe shares itself both ways.
+
+    ``duplex``: the fraction of its bandwidth each PCIe direction keeps while
+    the other one also carries data (1.0: fully independent).
+    """
 
     h2d: Link
     d2h: Link
     storage_read: Link
     storage_write: Link
+    duplex: float = 1.0
+
+    def __post_init__(self) -> None:
+        d = self.duplex
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not 0 < d <= 1:
+            raise ConfigError(f"Hierarchy.duplex must be in (0, 1], got {d!r}")
 
     @classmethod
     def from_profile(cls, profile: GpuProfile) -> Hierarchy:
         """The links of a ``sim.cost.GpuProfile``."""
-        return cls(profile.h2d, profile.d2h, profile.storage_read, profile.storage_write)
+        return cls(profile.h2d, profile.d2h, profile.storage_read, profile.storage_write,
+                   profile.pcie_duplex)
 
     @classmethod
     def default(cls, profile: str = "h100") -> Hierarchy:
@@ -173,8 +187,8 @@ class SimTransfer:
 
     __slots__ = (
         "_backend", "_server", "busy", "cancelled", "deps", "dur", "error", "fail_after",
-        "finished", "finished_at", "land_times", "layers_landed", "link", "nbytes", "op",
-        "sink", "submitted_at", "unit", "waiters",
+        "finished", "finished_at", "first_unit", "land_times", "layers_landed", "link",
+        "nbytes", "op", "shared_unit", "sink", "submitted_at", "unit", "waiters",
     )
 
     def __init__(self, backend: SimBackend, server: _Server, op: TransferOp, sink: Any,
@@ -190,6 +204,10 @@ class SimTransfer:
         link = server.link
         self.dur = nbytes / link.bandwidth_Bps
         self.unit = link.latency_s + self.dur
+        #: A unit started while the opposite PCIe direction is busy (see ``Hierarchy.duplex``).
+        self.shared_unit = link.latency_s + self.dur / server.duplex
+        #: How long the first unit took (service time runs from its start).
+        self.first_unit = self.unit
         self.busy = self.dur if link.overlap_latency else self.unit
         self.layers_landed = 0
         self.land_times: list[float] = []
@@ -222,8 +240,8 @@ class _Server:
 
     __slots__ = (
         "_cbs", "_ok", "backend", "blocked", "busy_s", "bytes", "callbacks", "cancelled",
-        "completed", "current", "env", "failed", "link", "name", "num_layers", "ops",
-        "overlap", "queue",
+        "completed", "current", "duplex", "env", "failed", "link", "name", "num_layers", "ops",
+        "overlap", "partner", "queue",
     )
 
     def __init__(self, backend: SimBackend, name: str, link: Link) -> None:
@@ -232,6 +250,10 @@ class _Server:
         self.name = name
         self.link = link
         self.overlap = link.overlap_latency
+        #: The opposite PCIe direction (set by the backend) and the bandwidth share
+        #: a unit gets while that one is busy.
+        self.partner: _Server | None = None
+        self.duplex = backend.hierarchy.duplex if name in ("h2d", "d2h") else 1.0
         self.num_layers = backend.num_layers
         self.queue: deque[SimTransfer] = deque()
         self.current: SimTransfer | None = None
@@ -283,7 +305,10 @@ class _Server:
                 start = issued + self.link.latency_s
                 when = (start if start > now else now) + h.dur
             else:
-                when = now + h.unit
+                p = self.partner
+                when = now + (h.unit if p is None or p.current is None else h.shared_unit)
+                if i == 0:
+                    h.first_unit = when - now
             self.current = h
             self.callbacks = self._cbs
             heappush(env._queue, (when, NORMAL, next(env._eid), self))
@@ -306,7 +331,8 @@ class _Server:
                 start = h.submitted_at + self.link.latency_s
                 when = (start if start > now else now) + h.dur
             else:
-                when = now + h.unit
+                p = self.partner
+                when = now + (h.unit if p is None or p.current is None else h.shared_unit)
             self.callbacks = self._cbs
             heappush(env._queue, (when, NORMAL, next(env._eid), self))
             if h.waiters:
@@ -399,6 +425,9 @@ class SimBackend:
         self.num_layers: int = spec.num_layers
         self._bytes_per_layer_block = spec.bytes_per_layer_block
         self._servers = {name: _Server(self, name, getattr(hierarchy, name)) for name in LINKS}
+        if hierarchy.duplex < 1.0:
+            h2d, d2h = self._servers["h2d"], self._servers["d2h"]
+            h2d.partner, d2h.partner = d2h, h2d
         self._routes = {key: self._servers[name] for key, name in ROUTES.items()}
         self._fail = fail
         self._inflight = 0

@@ -543,4 +543,4 @@ def sim_service_s(handle: Any, token: Any) -> float | None:
     """A simulated op's service time: its first layer's start to its last layer's landing."""
     if not handle.land_times or handle.finished_at is None:
         return None
-    return float(handle.finished_at - handle.land_times[0] + handle.unit)
+    return float(handle.finished_at - handle.land_times[0] + handle.first_unit)

@@ -21,6 +21,7 @@ from kernels.calibrate import (
     fit_link,
     fit_roofline,
     host_share_fit,
+    pcie_duplex,
     render_profile,
     roofline,
     step_point,
@@ -66,6 +67,15 @@ def test_fit_link_ignores_a_stalled_size_and_respects_the_ceiling() -> None:
     lat_c, bw_c = fit_link(fast, units, max_bandwidth_Bps=55e9)
     assert bw_c == pytest.approx(55e9) and 0.0 <= lat_c < lat
     assert fit_link(fast, units)[1] == pytest.approx(60e9, rel=1e-3)
+
+
+def test_pcie_duplex_is_the_both_ways_share() -> None:
+    links = {"h2d": {"bandwidth_Bps": 54e9}, "d2h": {"bandwidth_Bps": 53e9},
+             "both": {"h2d_Bps": 48.6e9, "d2h_Bps": 47.7e9}}
+    assert pcie_duplex(links) == pytest.approx(0.9, abs=1e-4)
+    assert pcie_duplex({**links, "both": {"h2d_Bps": 60e9, "d2h_Bps": 60e9}}) == 1.0
+    assert pcie_duplex({**links, "both": {}}) == 1.0
+    assert pcie_duplex({**links, "both": {"h2d_Bps": 5e9, "d2h_Bps": 5e9}}) == 0.5
 
 
 def test_step_terms_match_the_cost_model() -> None:

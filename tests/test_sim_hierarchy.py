@@ -17,6 +17,7 @@ from kvflow.radix import Tier
 from sim.cost import PROFILES
 from sim.hierarchy import Hierarchy, Link, SimBackend, SimTransfer
 from sim.loop import VirtualTimeLoop, run_sim
+from sim.replay import sim_service_s
 
 pytestmark = pytest.mark.virtual_time
 
@@ -156,6 +157,35 @@ async def test_h2d_and_d2h_are_independent_full_duplex() -> None:
     be.submit(op(*D2H, blocks=2), store, ())
     await asyncio.gather(load.finished, store.finished)
     assert load.layers == store.layers == sums(0.0, LAT + 2 * MiB / GiB, 4)
+
+
+@pytest.mark.asyncio
+async def test_duplex_share_slows_units_started_while_the_other_way_is_busy() -> None:
+    """With ``duplex`` < 1, a PCIe unit that starts while the opposite direction has a
+    unit on the wire moves at that share of its bandwidth; alone, at full speed."""
+    hier = Hierarchy(PCIE, PCIE, DISK, DISK, duplex=0.5)
+    _, env, be = setup(hier)
+    load, store = Sink(env), Sink(env)
+    full, shared = LAT + 2 * MiB / GiB, LAT + 2 * MiB / GiB / 0.5
+    h_load = be.submit(op(*H2D, blocks=2), load, ())   # starts alone: full speed
+    h_store = be.submit(op(*D2H, blocks=2), store, ())  # starts beside the load: shared
+    await asyncio.gather(load.finished, store.finished)
+    # the load's units each start while the store is on the wire (it never is idle
+    # at the load's unit boundaries: its units are twice as long), except the first
+    assert load.layers[0] == full
+    assert load.layers[1:] == pytest.approx(sums(full, shared, 3), rel=1e-12)
+    assert store.layers[0] == pytest.approx(shared, rel=1e-12)
+    # service time runs from the first unit's real start
+    assert sim_service_s(h_load, None) == pytest.approx(load.layers[-1], rel=1e-12)
+    assert sim_service_s(h_store, None) == pytest.approx(store.layers[-1], rel=1e-12)
+    # alone afterwards: full speed again
+    alone = Sink(env)
+    t0 = env.now
+    be.submit(op(*H2D, blocks=2), alone, ())
+    await alone.finished
+    assert alone.layers == pytest.approx(sums(t0, full, 4), rel=1e-12)
+    with pytest.raises(ConfigError, match=r"Hierarchy\.duplex"):
+        Hierarchy(PCIE, PCIE, DISK, DISK, duplex=0.0)
 
 
 @pytest.mark.asyncio
