@@ -14,8 +14,9 @@ so each number is measured on the code a GPU replay uses:
 * **compute** — the executor's GEMM by size, cuBLAS fp16 for reference, HBM
   copy bandwidth, attention throughput; then ``GpuExecutor`` steps over a grid
   of prefill and decode batches (GPU time by events);
-* **host share** — a small engine run: per step, the time to the next step's
-  start not covered by its GPU time, fitted as fixed + per sequence;
+* **host share** — a small GPU replay (``kvflow replay --backend cuda``'s
+  harness): per step, the time to the next step's start not covered by its
+  GPU time, fitted as fixed + per sequence + per prefill item;
 * **the fit** — the simulator's step time (``sim.cost.CostModel``: ``layers *
   max(weight FLOPs / (peak * mfu) + attention FLOPs / (peak * attention_mfu),
   bytes / (hbm * mbu)) + step_overhead_s + step_overhead_per_seq_s * seqs``)
@@ -176,7 +177,7 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
 
     ``points`` carry measured step times as the engine sees them (GPU time plus
     the host's share); the model is ``roofline`` with ``per_seq`` held (it is
-    measured apart, from the engine run's gaps between steps) and a fixed
+    measured apart, from a replay's gaps between steps) and a fixed
     per-step term fitted. ``overheads``: candidate values for that term
     (default: 0 .. 90% of the fastest step); pass ``[x]`` to hold it.
     ``split_attention``: fit attention's own rate (else it shares ``mfu``).
@@ -657,65 +658,58 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     return {"points": points, "gemm": gemm, "attention_flops": att}
 
 
-def _run_uvloop(coro: Any) -> Any:
-    """Run on the loop the GPU replay uses (uvloop): the host's share per step depends on it."""
-    from kernels.replay import _run_loop
-
-    return _run_loop(coro)
-
-
-async def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
-                                output_len: int = 64,
-                                stream_priority: int | None = None) -> dict[str, Any]:
-    """An engine run: wall time minus GPU time per step, and every step as a fit point.
+def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
+                          output_len: int = 64,
+                          backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A GPU replay: wall time minus GPU time per step, and every step as a fit point.
 
     Requests of 1k..8k prompt tokens (all at once) then decode together: chunked
     prefills, mixed steps, and decode batches shrinking from 24 as they finish
     (outputs of 8 .. 2 x ``output_len`` tokens, so every batch size from 24 to 1
-    occurs and the host share's growth per sequence can be fitted).
-    Steps taken by the engine are what the simulator must predict, so they join
-    the synthetic grid in the fit (their GPU time, plus the mean host share).
+    occurs and the host share's growth per sequence can be fitted). It runs
+    through ``kvflow replay --backend cuda``'s own harness (transfer log, a host
+    tier taking write-through backups, sampler, fine clock), because the host
+    share the simulator must charge is that of the runs it is compared with.
+    Steps taken by the engine join the synthetic grid in the fit.
     """
-    from kernels.backend import CudaBackend
-    from kernels.compute import GpuExecutor
-    from kvflow.engine import Engine, EngineConfig, EngineRequest
-    from kvflow.manager import CacheManager, Capacities
-    from kvflow.runtime import Runtime
+    import tempfile
 
-    loop = asyncio.get_running_loop()
+    from kernels.replay import run_gpu_replay
+    from sim.replay import ReplayConfig
+    from traces.schema import Request
+    from traces.writer import write_generic
+
     bt = spec.block_tokens
     lens = [1024 * (1 + i % 8) for i in range(requests)]
     outs = [8 + (2 * output_len * i) // requests for i in range(requests)]
-    caps = Capacities(sum(-(-(n + o) // bt) for n, o in zip(lens, outs, strict=True)) + 8)
-    backend = CudaBackend(spec, caps.device, 1, stream_priority=stream_priority)
-    ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 256)
-    await ex.warm_up(block=caps.device - 1)
-    manager = CacheManager(caps)
-    runtime = Runtime(manager, backend, spec.bytes_per_block, loop)
-    engine = Engine(manager, runtime, ex, EngineConfig(bt, 8192, 256))
-    ex.step_log = []
-    t0 = time.perf_counter()  # (uvloop's loop.time() counts whole milliseconds)
-    busy0 = ex.busy_s
+    reqs, first = [], 1 << 40  # ids of their own: nothing shared, nothing cached
     for i, (n, o) in enumerate(zip(lens, outs, strict=True)):
-        keys = tuple(("cal", i, b) for b in range(-(-n // bt)))
-        engine.add(EngineRequest(i, 0.0, keys, n, o))
-    engine.close()
-    await engine.run()
-    wall = time.perf_counter() - t0
-    steps = engine.stats.steps
-    busy = ex.busy_s - busy0
+        k = -(-n // bt)
+        reqs.append(Request(i, 0.0, n, o, tuple(range(first, first + k))))
+        first += k
+    blocks = sum(-(-(n + o) // bt) for n, o in zip(lens, outs, strict=True)) + 8
+    step_log: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="kvflow-calibrate-") as tmp:
+        trace = Path(tmp) / "calibration.jsonl"
+        write_generic(reqs, trace, block_tokens=bt, source="kvflow calibrate")
+        cfg = ReplayConfig(trace=str(trace), model=spec.name, device_blocks=blocks,
+                           host_blocks=blocks, storage_blocks=0, backend="cuda")
+        run_gpu_replay(cfg, backend_options=backend_options or {}, step_log=step_log)
+    gpus = [r[2] for r in step_log]
+    starts = [r[4] for r in step_log]
+    steps = len(step_log)
+    wall = starts[-1] + step_log[-1][3] - starts[0]
+    busy = sum(gpus)
     overhead = max(wall - busy, 0.0) / steps
-    log(f"engine run: {steps} steps in {wall:.3f} s, GPU busy {busy:.3f} s: "
+    log(f"replay run: {steps} steps in {wall:.3f} s, GPU busy {busy:.3f} s: "
         f"{overhead * 1e3:.3f} ms per step not overlapped")
     points = []
-    for pre, dec, gpu, _, _ in ex.step_log:
+    for pre, dec, gpu, _, _ in step_log:
         kind = "mixed" if pre and dec else "prefill" if pre else "decode"
         points.append(step_point(f"engine {kind} {sum(n for n, _ in pre)}+{len(dec)}", spec,
                                  pre, dec, gpu))
-    starts = [r[4] for r in ex.step_log]
-    gpus = [r[2] for r in ex.step_log]
-    seqs = [len(r[0]) + len(r[1]) for r in ex.step_log]
-    prefills = [len(r[0]) for r in ex.step_log]
+    seqs = [len(r[0]) + len(r[1]) for r in step_log]
+    prefills = [len(r[0]) for r in step_log]
     share = host_share_fit(starts, gpus, seqs, prefills)
     fixed, per_seq = share.fixed, share.per_seq
     log(f"host share per step: {fixed * 1e3:.3f} ms + {per_seq * 1e6:.1f} us per sequence + "
@@ -795,7 +789,8 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     exe = asyncio.run(measure_executor(spec, log, reps=2 if quick else 3,
                                        stream_priority=stream_priority))
     b = PROFILES[base]
-    over = _run_uvloop(measure_step_overhead(spec, log, stream_priority=stream_priority))
+    over = measure_step_overhead(spec, log, backend_options={
+        k: v for k, v in (("stream_priority", stream_priority), ("dma", dma)) if v is not None})
     # The engine sees a step take its GPU time plus the host's share (measured above,
     # fixed + per sequence); the simulator charges roofline + step_overhead_s +
     # step_overhead_per_seq_s per sequence: fit the rest to that.
@@ -862,7 +857,7 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         f"Compute: GpuExecutor steps of {cal.model} (bf16 mma.sync kernels, compute.cu),",
         f"step time fitted over {len(cal.fit['steps'])} steps: a grid of prefill/decode/mixed "
         "batches and every step",
-        f"of an engine run (24 requests, 1k..8k prompts) (rms log error "
+        f"of a GPU replay (24 requests, 1k..8k prompts) (rms log error "
         f"{cal.fit['rms_log_error']:.3f});",
         "peak_bf16_flops and hbm_bytes_per_s stay datasheet values, mfu (weight GEMMs),",
         "attention_mfu and mbu carry the fit.",
@@ -875,7 +870,7 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         f"Fitted to GPU step time + the host's share per step ({cal.fit['host_s'] * 1e3:.3f} ms"
         f" + {cal.fit.get('host_per_seq_s', 0.0) * 1e6:.1f} us per sequence + "
         f"{cal.fit.get('host_per_prefill_s', 0.0) * 1e6:.1f} us per prefill item, fitted to "
-        f"the gaps between the {cal.overhead['steps']} steps of an engine run: wall "
+        f"the gaps between the {cal.overhead['steps']} steps of a GPU replay: wall "
         f"{cal.overhead['wall_s']:.3f} s, GPU {cal.overhead['gpu_s']:.3f} s),",
         "so step_overhead_s is the fixed host share plus the per-step GPU floor the roofline",
         "misses (small-M GEMMs stream weights far below HBM speed), and",

@@ -188,11 +188,13 @@ def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> Transfer
 def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = None, *,
                    inspect: Callable[[CacheManager, Runtime | None], None] | None = None,
                    timeout_s: float | None = None,
-                   backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                   backend_options: dict[str, Any] | None = None,
+                   step_log: list[Any] | None = None) -> dict[str, Any]:
     """Run one replay on the GPU; returns the simulator's report format (plus ``device``).
 
     ``backend_options`` go to ``CudaBackend`` (CTAs, stream priority, ...);
-    ``timeout_s`` bounds the replay's wall time (``ConfigError`` past it).
+    ``timeout_s`` bounds the replay's wall time (``ConfigError`` past it);
+    ``step_log``, a list, receives the executor's per-step records (calibration).
     """
     reason = gpu_unavailable_reason()
     if reason is not None:
@@ -204,7 +206,8 @@ def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | Non
     setup = dataclasses.replace(setup, capacities=gpu_capacities(cfg, setup))
     manager = make_manager(cfg, setup.capacities)
     options = env_backend_options() if backend_options is None else backend_options
-    body = _run_loop(_replay_gpu(cfg, setup, manager, progress, inspect, timeout_s, options))
+    body = _run_loop(_replay_gpu(cfg, setup, manager, progress, inspect, timeout_s, options,
+                                 step_log))
     return assemble_report(cfg, setup, manager, body, t0)
 
 
@@ -232,7 +235,8 @@ async def warm_up_links(backend: Any) -> None:
 async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
                       progress: Callable[[int, int], None] | None,
                       inspect: Callable[[CacheManager, Runtime | None], None] | None,
-                      timeout_s: float | None, options: dict[str, Any]) -> dict[str, Any]:
+                      timeout_s: float | None, options: dict[str, Any],
+                      step_log: list[Any] | None = None) -> dict[str, Any]:
     from kernels.backend import CudaBackend
     from kernels.compute import GpuExecutor
 
@@ -245,6 +249,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     await executor.warm_up(block=0)
     await warm_up_links(backend)
     backend.synchronize()
+    executor.step_log = step_log  # (calibration reads the engine's steps)
     log = cuda_transfer_log(backend, loop)
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
