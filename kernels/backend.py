@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +62,8 @@ class CudaTask:
     #: waits are enqueued, right before its copy (it completes when the op starts on its link).
     start_event: object = None
     _owner: CudaBackend | None = field(default=None, repr=False)
+    #: Names the task to its host callbacks (see ``_host_callback``).
+    key: int = field(default_factory=lambda: next(_KEYS))
 
     @property
     def num_layers(self) -> int:
@@ -80,6 +84,8 @@ class CudaTask:
 
     def _finish(self, release: bool) -> None:
         self.finished = True
+        if self._owner is not None:
+            self._owner._live.pop(self.key, None)
         if release and self._owner is not None:
             self._owner._release_events(self.events)
         self.events = []
@@ -92,11 +98,28 @@ class CudaTask:
         self.sink.done(error)
 
 
-def _host_callback(arg: tuple[CudaTask, int, int]) -> None:
-    """Runs on a CUDA driver thread: hop to the loop; never raise, never call CUDA."""
-    task, first, count = arg
+_KEYS = itertools.count()
+
+
+def _host_callback(arg: tuple[asyncio.AbstractEventLoop, weakref.ref, int, int, int]) -> None:
+    """Runs on a CUDA driver thread: hop to the loop; never raise, never call CUDA.
+
+    The argument names the task by key rather than holding it: the driver
+    drops its reference to the argument on this thread, and whatever dies
+    with the last reference (a task, its CUDA events) must not die here,
+    where CUDA calls fail (``cudaErrorNotPermitted``).
+    """
+    loop, owner, key, first, count = arg
     with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening any more
-        task.loop.call_soon_threadsafe(task._on_layers, first, count)
+        loop.call_soon_threadsafe(_dispatch, owner, key, first, count)
+
+
+def _dispatch(owner: weakref.ref, key: int, first: int, count: int) -> None:
+    """On the loop thread: the task's layers have landed (if the backend and task live)."""
+    backend = owner()
+    task = None if backend is None else backend._live.get(key)
+    if task is not None:
+        task._on_layers(first, count)
 
 
 #: A stream priority past any device's range: CUDA clamps it to the highest priority.
@@ -202,6 +225,10 @@ class CudaBackend:
         self._event_pool: list[object] = []
         #: Give every task a ``start_event`` (replays time each op's service with it).
         self.record_starts = False
+        #: Tasks with host callbacks still to come, by key (loop thread only); the
+        #: callbacks name the backend by weak reference and the task by key.
+        self._live: dict[int, CudaTask] = {}
+        self._ref = weakref.ref(self)
         L = self.num_layers
         with cp.cuda.Device(self.device):
             self._dev = [cp.empty((L, num_device_blocks, b), dtype=np.uint8)
@@ -264,6 +291,7 @@ class CudaBackend:
         task.prep = prep
         task.events = self._take_events(self.num_layers)
         task.started = True
+        self._live[task.key] = task
         # Same-stream predecessors are already ordered; finished ones are past.
         deps = [h for h in after if isinstance(h, CudaTask) and h.started
                 and not h.finished and h.stream is not stream]
@@ -282,7 +310,7 @@ class CudaBackend:
                 for i in range(layer, last + 1):
                     events[i].record(stream)
                 notify.wait_event(events[last])
-                notify.launch_host_func(_host_callback, (task, layer, count))
+                notify.launch_host_func(_host_callback, (loop, self._ref, task.key, layer, count))
         except Exception as exc:  # a CUDA error while enqueueing: report it, keep order
             task.error = TransferError(f"op {op.op_id}: enqueueing layer {layer} failed: {exc}")
             task.error.__cause__ = exc
@@ -290,7 +318,7 @@ class CudaBackend:
                 for ev in events[layer:]:
                     ev.record(stream)  # dependents must not wait on stale events
                 notify.wait_event(events[-1])
-                notify.launch_host_func(_host_callback, (task, layer, 0))
+                notify.launch_host_func(_host_callback, (loop, self._ref, task.key, layer, 0))
             except Exception:
                 loop.call_soon(task._finish, False)
         return task

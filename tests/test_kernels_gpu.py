@@ -409,3 +409,32 @@ def test_copy_path_chosen_by_piece_size() -> None:
     assert not CudaBackend(SPECS["mla-fp8-dsa"], 4, 4, dma_min_bytes=1024).use_dma
     with pytest.raises(ValueError, match="dma must be one of"):
         CudaBackend(big, 4, 4, dma="sometimes")
+
+
+def test_no_cuda_object_dies_on_the_driver_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host callbacks name tasks by key: a task (and its timing event) whose last
+    reference went with a callback's argument was destroyed on CUDA's driver thread,
+    where ``cudaEventDestroy`` fails (``cudaErrorNotPermitted``, printed, leaked)."""
+    import gc
+    import sys
+
+    seen: list[object] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    spec = SPECS["mha-bf16"]
+    backend = CudaBackend(spec, 16, 16)
+    backend.record_starts = True
+
+    async def main() -> None:
+        sinks = []
+        for i in range(32):
+            sink = FutureSink(spec.num_layers)
+            backend.submit(op(OpKind.SWAP_IN, [i % 16], [(i * 7) % 16]), sink, ())
+            sinks.append(sink)  # the task itself is dropped at once
+        await asyncio.gather(*(s.wait() for s in sinks))
+        await asyncio.sleep(0.05)
+
+    run(main)
+    backend.synchronize()
+    gc.collect()
+    assert not seen, seen
+    assert not backend._live
