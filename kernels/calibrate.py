@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import gc
 import math
 import statistics
 import time
@@ -776,18 +777,26 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
               "runtime": cp.cuda.runtime.runtimeGetVersion()}
     log(f"device: {dname}, {device['sms']} SMs, {total / 2**30:.1f} GiB")
     reps = 3 if quick else 5
+    # Each phase leaves CUDA objects in reference cycles; collect them here, on this
+    # thread: the collector may otherwise run on a CUDA driver thread (inside a host
+    # callback), where destroying them fails with cudaErrorNotPermitted.
     raw = measure_raw_link(log, reps=reps)
+    gc.collect()
     idle = asyncio.run(measure_backend_links(spec, log, reps=reps,
                                              stream_priority=stream_priority, dma=dma,
                                              ceilings=raw))
+    gc.collect()
     links = asyncio.run(measure_backend_links(spec, log, reps=reps + 2,
                                               stream_priority=stream_priority, under_load=True,
                                               dma=dma, ceilings=raw))
+    gc.collect()
     kernels = measure_swap_kernels(log, reps=reps,
                                    ctas=(2, 4, 16) if quick else (2, 4, 8, 16))
     mm = measure_matmuls(log, reps=reps)
+    gc.collect()
     exe = asyncio.run(measure_executor(spec, log, reps=2 if quick else 3,
                                        stream_priority=stream_priority))
+    gc.collect()
     b = PROFILES[base]
     over = measure_step_overhead(spec, log, backend_options={
         k: v for k, v in (("stream_priority", stream_priority), ("dma", dma)) if v is not None})

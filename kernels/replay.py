@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import os
 import time
 from collections.abc import Callable
@@ -250,6 +251,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     await warm_up_links(backend)
     backend.synchronize()
     executor.step_log = step_log  # (calibration reads the engine's steps)
+    gc.collect()  # here, not later on a CUDA driver thread (see kernels.calibrate)
     log = cuda_transfer_log(backend, loop)
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
