@@ -891,7 +891,8 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         f"({lk['bytes_per_block'] / 2**20:.1f} MiB each, {lk['units_per_op']} layer units per "
         "op), event-timed,",
         "fitted to latency_s + bytes / bandwidth_Bps per unit, measured while GpuExecutor",
-        "steps run (the engine moves KV while it computes; a swap kernel shares the SMs).",
+        "steps run (the engine moves KV while it computes: a swap kernel shares the SMs,",
+        "the copy engine shares HBM and the host).",
         f"Idle: h2d {cal.links_idle['h2d']['bandwidth_Bps'] / 1e9:.1f} GB/s + "
         f"{cal.links_idle['h2d']['latency_s'] * 1e6:.1f} us, d2h "
         f"{cal.links_idle['d2h']['bandwidth_Bps'] / 1e9:.1f} GB/s + "
