@@ -1,6 +1,6 @@
 """The simulated memory hierarchy: links with bandwidth and latency, and ``SimBackend``.
 
-Four links, each independent of the others:
+Four links, independent of each other except for PCIe's two directions:
 
 * ``h2d`` and ``d2h`` — PCIe host -> device and device -> host. PCIe is full
   duplex and a GPU has a copy engine per direction, so a load never waits for
@@ -305,14 +305,21 @@ class _Server:
                 start = issued + self.link.latency_s
                 when = (start if start > now else now) + h.dur
             else:
-                p = self.partner
-                when = now + (h.unit if p is None or p.current is None else h.shared_unit)
+                when = now + self._unit_time(h)
                 if i == 0:
                     h.first_unit = when - now
             self.current = h
             self.callbacks = self._cbs
             heappush(env._queue, (when, NORMAL, next(env._eid), self))
             return
+
+    def _unit_time(self, h: SimTransfer) -> float:
+        """A PCIe unit's time: slower while the opposite direction has one on the wire."""
+        p = self.partner
+        if p is None or p.current is None:
+            return h.unit
+        self.busy_s += h.shared_unit - h.unit  # (``_complete`` adds the unit's own ``busy``)
+        return h.shared_unit
 
     def _complete(self, _event: object) -> None:
         """The unit in service has landed: account, start the next, then report."""
@@ -331,8 +338,7 @@ class _Server:
                 start = h.submitted_at + self.link.latency_s
                 when = (start if start > now else now) + h.dur
             else:
-                p = self.partner
-                when = now + (h.unit if p is None or p.current is None else h.shared_unit)
+                when = now + self._unit_time(h)
             self.callbacks = self._cbs
             heappush(env._queue, (when, NORMAL, next(env._eid), self))
             if h.waiters:

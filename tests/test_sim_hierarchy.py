@@ -178,6 +178,10 @@ async def test_duplex_share_slows_units_started_while_the_other_way_is_busy() ->
     # service time runs from the first unit's real start
     assert sim_service_s(h_load, None) == pytest.approx(load.layers[-1], rel=1e-12)
     assert sim_service_s(h_store, None) == pytest.approx(store.layers[-1], rel=1e-12)
+    # the links were busy for the time their units really took
+    m = be.metrics()
+    assert m["h2d"]["busy_s"] == pytest.approx(load.layers[-1], rel=1e-12)
+    assert m["d2h"]["busy_s"] == pytest.approx(store.layers[-1], rel=1e-12)
     # alone afterwards: full speed again
     alone = Sink(env)
     t0 = env.now
