@@ -659,6 +659,72 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     return {"points": points, "gemm": gemm, "attention_flops": att}
 
 
+def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] | None = None,
+                         backend_options: dict[str, Any] | None = None,
+                         requests: int = 16) -> dict[str, Any]:
+    """The link model fitted to the transfers of a small GPU replay, as replays see them.
+
+    Isolated ops (``measure_backend_links``) miss what a replay adds around a
+    transfer: the other direction busy, compute and host work in between,
+    small ops. So a replay through ``kvflow replay --backend cuda``'s harness:
+    a first wave of prompts of 1..``requests`` blocks (finishing ones back up
+    to host: device -> host ops of every size), then the same prompts, one
+    block longer, arriving one every 40 ms into a device pool too small to
+    have kept them: each loads its prefix back from host (host -> device ops
+    of every size) while the others compute. ``fit_link`` on each direction's
+    (bytes, service time) gives ``latency_s`` and ``bandwidth_Bps``.
+    """
+    import tempfile
+
+    from kernels.replay import run_gpu_replay
+    from sim.replay import ReplayConfig
+    from traces.schema import Request
+    from traces.writer import write_generic
+
+    bt = spec.block_tokens
+    first = 1 << 41
+    reqs, prefixes = [], []
+    for i in range(requests):
+        k = 1 + i % requests
+        ids = tuple(range(first, first + k + 1))
+        first += k + 1
+        prefixes.append(ids)
+        reqs.append(Request(i, 0.0, k * bt, 4, ids[:k]))
+    wave2 = 3.0  # s: the first wave (~70k prompt tokens) is done by then
+    for i, ids in enumerate(prefixes):
+        reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, 4, ids))
+    blocks = sum(-(-(len(ids) * bt + 4) // bt) for ids in prefixes)
+    ops: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="kvflow-calibrate-") as tmp:
+        trace = Path(tmp) / "links.jsonl"
+        write_generic(reqs, trace, block_tokens=bt, source="kvflow calibrate")
+        # A device pool for about two of the largest requests: the first wave
+        # leaves little on the device, so the second loads almost all from host.
+        cfg = ReplayConfig(trace=str(trace), model=spec.name,
+                           device_blocks=2 * (requests + 2) + 4, host_blocks=2 * blocks,
+                           storage_blocks=0, backend="cuda")
+        run_gpu_replay(cfg, backend_options=backend_options or {}, op_log=ops)
+    out: dict[str, Any] = {"ops": len(ops)}
+    per_block = spec.bytes_per_block
+    for name in ("h2d", "d2h"):
+        pts = [(n * per_block, t) for _, link, n, t in ops if link == name and n > 0]
+        sizes = {b for b, _ in pts}
+        if len(pts) < 8 or len(sizes) < 3:
+            log(f"replay links: {len(pts)} {name} ops of {len(sizes)} sizes: too few to fit")
+            continue
+        # one point per size (the median), as for isolated ops
+        by_size: dict[float, list[float]] = {}
+        for b, t in pts:
+            by_size.setdefault(b, []).append(t)
+        med = sorted((b, statistics.median(ts)) for b, ts in by_size.items())
+        lat, bw = fit_link(med, spec.num_layers,
+                           max_bandwidth_Bps=(ceilings or {}).get(f"{name}_Bps"))
+        out[name] = {"latency_s": lat, "bandwidth_Bps": bw, "ops": len(pts), "points": med}
+        log(f"replay links {name}: {bw / 1e9:.2f} GB/s, {lat * 1e6:.2f} us per layer unit "
+            f"({len(pts)} ops of {len(sizes)} sizes in a GPU replay)")
+    return out
+
+
 def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
                           output_len: int = 64,
                           backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -739,6 +805,7 @@ class Calibration:
     overhead: dict[str, Any]
     profile: dict[str, Any]
     seconds: float
+    replay_links: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -798,8 +865,15 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                                        stream_priority=stream_priority))
     gc.collect()
     b = PROFILES[base]
-    over = measure_step_overhead(spec, log, backend_options={
-        k: v for k, v in (("stream_priority", stream_priority), ("dma", dma)) if v is not None})
+    opts = {k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
+            if v is not None}
+    over = measure_step_overhead(spec, log, backend_options=opts)
+    gc.collect()
+    replay_links = measure_replay_links(spec, log, raw, backend_options=opts)
+    gc.collect()
+    # The profile's links: as a replay sees them where that replay gave enough ops,
+    # else the isolated ops under load.
+    profile_links = {d: replay_links.get(d) or links[d] for d in ("h2d", "d2h")}
     # The engine sees a step take its GPU time plus the host's share (measured above,
     # fixed + per sequence); the simulator charges roofline + step_overhead_s +
     # step_overhead_per_seq_s per sequence: fit the rest to that.
@@ -838,10 +912,10 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "memory_bytes": float(total), "step_overhead_s": fixed,
         "step_overhead_per_seq_s": per_seq,
         "step_overhead_per_prefill_s": per_prefill,
-        "h2d": {"bandwidth_Bps": links["h2d"]["bandwidth_Bps"],
-                "latency_s": links["h2d"]["latency_s"]},
-        "d2h": {"bandwidth_Bps": links["d2h"]["bandwidth_Bps"],
-                "latency_s": links["d2h"]["latency_s"]},
+        "h2d": {"bandwidth_Bps": profile_links["h2d"]["bandwidth_Bps"],
+                "latency_s": profile_links["h2d"]["latency_s"]},
+        "d2h": {"bandwidth_Bps": profile_links["d2h"]["bandwidth_Bps"],
+                "latency_s": profile_links["d2h"]["latency_s"]},
         "pcie_duplex": pcie_duplex(links),
     }
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
@@ -849,7 +923,20 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                         "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
                         "host_per_prefill_s": per_prefill,
                         "rms_log_error": rms, "steps": rows},
-                       over, profile, time.perf_counter() - t0)
+                       over, profile, time.perf_counter() - t0, replay_links)
+
+
+def _replay_link_comments(cal: Calibration) -> list[str]:
+    rl = cal.replay_links or {}
+    used = [d for d in ("h2d", "d2h") if d in rl]
+    if not used:
+        return ["Links: the isolated ops below (a GPU replay gave too few ops to fit)."]
+    parts = [f"{d} {rl[d]['bandwidth_Bps'] / 1e9:.1f} GB/s + {rl[d]['latency_s'] * 1e6:.1f} us "
+             f"({rl[d]['ops']} ops)" for d in used]
+    return [f"Links ({', '.join(used)}): fitted to the transfers of a small GPU replay "
+            "(a wave of prompts of 1..16",
+            "blocks backed up to host, then the same prompts loading their prefix back while",
+            f"others compute): {'; '.join(parts)} per layer unit.", ""]
 
 
 def profile_comments(cal: Calibration, command: str) -> list[str]:
@@ -886,8 +973,9 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "step_overhead_per_seq_s / _per_prefill_s the host's growth per sequence and per",
         "prefill item.",
         "",
-        f"Links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 scattered "
-        "blocks "
+        *_replay_link_comments(cal),
+        f"Isolated links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 "
+        "scattered blocks "
         f"({lk['bytes_per_block'] / 2**20:.1f} MiB each, {lk['units_per_op']} layer units per "
         "op), event-timed,",
         "fitted to latency_s + bytes / bandwidth_Bps per unit, measured while GpuExecutor",

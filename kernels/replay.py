@@ -190,12 +190,15 @@ def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | Non
                    inspect: Callable[[CacheManager, Runtime | None], None] | None = None,
                    timeout_s: float | None = None,
                    backend_options: dict[str, Any] | None = None,
-                   step_log: list[Any] | None = None) -> dict[str, Any]:
+                   step_log: list[Any] | None = None,
+                   op_log: list[Any] | None = None) -> dict[str, Any]:
     """Run one replay on the GPU; returns the simulator's report format (plus ``device``).
 
     ``backend_options`` go to ``CudaBackend`` (CTAs, stream priority, ...);
     ``timeout_s`` bounds the replay's wall time (``ConfigError`` past it);
-    ``step_log``, a list, receives the executor's per-step records (calibration).
+    ``step_log``, a list, receives the executor's per-step records, and
+    ``op_log`` one ``(kind, link, blocks, service_s)`` per completed transfer
+    (calibration fits to both).
     """
     reason = gpu_unavailable_reason()
     if reason is not None:
@@ -208,7 +211,7 @@ def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | Non
     manager = make_manager(cfg, setup.capacities)
     options = env_backend_options() if backend_options is None else backend_options
     body = _run_loop(_replay_gpu(cfg, setup, manager, progress, inspect, timeout_s, options,
-                                 step_log))
+                                 step_log, op_log))
     return assemble_report(cfg, setup, manager, body, t0)
 
 
@@ -237,7 +240,8 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
                       progress: Callable[[int, int], None] | None,
                       inspect: Callable[[CacheManager, Runtime | None], None] | None,
                       timeout_s: float | None, options: dict[str, Any],
-                      step_log: list[Any] | None = None) -> dict[str, Any]:
+                      step_log: list[Any] | None = None,
+                      op_log: list[Any] | None = None) -> dict[str, Any]:
     from kernels.backend import CudaBackend
     from kernels.compute import GpuExecutor
 
@@ -287,6 +291,8 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         sample_task.cancel()
     sampler.sample()
     end = clock()
+    if op_log is not None:
+        op_log.extend((r[0], r[1], r[2], r[8]) for r in log.records if r[5] and r[8] is not None)
     backend.synchronize()
     if inspect is not None:
         inspect(manager, runtime)
