@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -120,6 +121,40 @@ def _dispatch(owner: weakref.ref, key: int, first: int, count: int) -> None:
     task = None if backend is None else backend._live.get(key)
     if task is not None:
         task._on_layers(first, count)
+
+
+class LoopThreadGC:
+    """Runs the cyclic garbage collector on the event loop's thread only, while active.
+
+    Python collects cycles in whichever thread happens to allocate past a
+    threshold, and CUDA host callbacks allocate on a driver thread: a
+    collection there destroys whatever CUDA objects (events, memory) the
+    garbage holds, and CUDA refuses calls from a host callback
+    (``cudaErrorNotPermitted``; the object leaks). While active, automatic
+    collection is off and the young generations are collected every
+    ``interval_s`` on the loop (about a millisecond each); ``stop`` collects
+    everything once and turns automatic collection back on.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval_s: float = 0.5) -> None:
+        self._loop = loop
+        self._interval = interval_s
+        self._was_enabled = gc.isenabled()
+        self._handle: asyncio.TimerHandle | None = None
+        gc.disable()
+        self._tick()
+
+    def _tick(self) -> None:
+        gc.collect(1)
+        self._handle = self._loop.call_later(self._interval, self._tick)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        gc.collect()
+        if self._was_enabled:
+            gc.enable()
 
 
 #: A stream priority past any device's range: CUDA clamps it to the highest priority.

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import gc
 import os
 import time
 from collections.abc import Callable
@@ -242,7 +241,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
                       timeout_s: float | None, options: dict[str, Any],
                       step_log: list[Any] | None = None,
                       op_log: list[Any] | None = None) -> dict[str, Any]:
-    from kernels.backend import CudaBackend
+    from kernels.backend import CudaBackend, LoopThreadGC
     from kernels.compute import GpuExecutor
 
     cp = cupy_module()
@@ -255,7 +254,6 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     await warm_up_links(backend)
     backend.synchronize()
     executor.step_log = step_log  # (calibration reads the engine's steps)
-    gc.collect()  # here, not later on a CUDA driver thread (see kernels.calibrate)
     log = cuda_transfer_log(backend, loop)
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
@@ -282,6 +280,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
 
     run = loop.create_task(engine.run(), name="engine")
     sample_task = loop.create_task(sampler.run(), name="sampler")
+    collector = LoopThreadGC(loop)
     try:
         await asyncio.wait_for(asyncio.gather(feed(), run), timeout_s)
     except TimeoutError:
@@ -289,6 +288,8 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
                           f"({len(engine.done)} of {total} requests done)") from None
     finally:
         sample_task.cancel()
+        backend.synchronize()
+        collector.stop()
     sampler.sample()
     end = clock()
     if op_log is not None:

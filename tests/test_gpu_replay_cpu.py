@@ -57,3 +57,45 @@ def test_sleep_until_is_never_early_and_lets_the_loop_run() -> None:
     assert all(x >= 0 for x in late), late
     assert ticks > 0
     assert time.perf_counter() - t0 < 5  # no runaway spin
+
+
+def test_loop_thread_gc_collects_only_on_the_loop_while_active() -> None:
+    """A CUDA host callback allocates on a driver thread; a collection started there
+    would destroy CUDA objects where CUDA refuses (cudaErrorNotPermitted)."""
+    import gc
+    import threading
+
+    from kernels.backend import LoopThreadGC
+
+    threads: set[str] = set()
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            threads.add(threading.current_thread().name)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        collector = LoopThreadGC(loop, interval_s=0.01)
+        assert not gc.isenabled()
+
+        def allocate_cycles() -> None:  # what a host callback thread does, much more of
+            for _ in range(50_000):
+                a: list = []
+                a.append(a)
+
+        worker = threading.Thread(target=allocate_cycles, name="driver")
+        worker.start()
+        await asyncio.sleep(0.05)  # the loop's own collections run meanwhile
+        worker.join()
+        collector.stop()
+        assert gc.isenabled()
+
+    gc.callbacks.append(note)
+    try:
+        was = gc.isenabled()
+        asyncio.run(main())
+        assert gc.isenabled() == was
+    finally:
+        gc.callbacks.remove(note)
+    assert "driver" not in threads
+    assert threading.main_thread().name in threads  # it did collect, on the loop's thread
