@@ -190,7 +190,13 @@ def calibrate(
         help="CUDA priority of the copy streams (as the replay will run them).")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
 ) -> None:
-    """Measure this GPU (links, swap kernels, compute); write a profile for `replay --profile`."""
+    """Measure this GPU (links, swap kernels, compute, host share); write a profile for
+    `replay --profile`.
+
+    Links and the host's share per step are fitted to small GPU replays, as
+    `replay --backend cuda` runs; KVFLOW_STREAM_PRIORITY and KVFLOW_COPY_ENGINE
+    apply to both commands alike, so calibrate with the settings you replay with.
+    """
     import sys
 
     from kernels.calibrate import calibrate as run_calibration
