@@ -3,13 +3,16 @@
 What the simulator needs to predict the GPU world is what the GPU world runs,
 so each number is measured on the code a GPU replay uses:
 
-* **links** — ``CudaBackend`` ops of k scattered blocks of the model, each way,
-  timed with CUDA events on their stream; the simulator's per-layer unit
-  (``latency_s + bytes / bandwidth_Bps``, ``sim.hierarchy.Link``) is fitted to
-  them by least squares. Both ways at once too (recorded; the profile keeps
-  the one-way fit, which is what a replay mostly sees). The raw ceilings (one
-  contiguous ``cudaMemcpyAsync``) and per-op latency (4 KB copies) are recorded
-  alongside;
+* **links** — first ``CudaBackend`` ops of k scattered blocks of the model,
+  each way, alone and beside executor steps, timed with CUDA events as a GPU
+  replay times them (from right before the first copy to after the last);
+  then the transfers of a small GPU replay (``measure_replay_links``), which
+  run slower than isolated ops (the other direction busy, compute and host
+  work around them). The simulator's per-layer unit (``latency_s + bytes /
+  bandwidth_Bps``, ``sim.hierarchy.Link``) is fitted robustly to the replay's
+  ops where there are enough, else to the isolated ones. Both ways at once
+  gives ``pcie_duplex``. The raw ceilings (one contiguous
+  ``cudaMemcpyAsync``) and per-op latency (4 KB copies) are recorded alongside;
 * **swap kernels** — ``BlockCopier`` bandwidth by block size and CTA count;
 * **compute** — the executor's GEMM by size, cuBLAS fp16 for reference, HBM
   copy bandwidth, attention throughput; then ``GpuExecutor`` steps over a grid
@@ -19,9 +22,10 @@ so each number is measured on the code a GPU replay uses:
   GPU time, fitted as fixed + per sequence + per prefill item;
 * **the fit** — the simulator's step time (``sim.cost.CostModel``: ``layers *
   max(weight FLOPs / (peak * mfu) + attention FLOPs / (peak * attention_mfu),
-  bytes / (hbm * mbu)) + step_overhead_s + step_overhead_per_seq_s * seqs``)
-  fitted to GPU time + host share of each grid step: ``mfu``,
-  ``attention_mfu``, ``mbu`` and ``step_overhead_s`` are what make it match.
+  bytes / (hbm * mbu)) + step_overhead_s + step_overhead_per_seq_s * seqs +
+  step_overhead_per_prefill_s * prefills``) fitted to GPU time + host share
+  of each grid and replay step: ``mfu``, ``attention_mfu``, ``mbu`` and
+  ``step_overhead_s`` are what make it match.
 
 ``write_profile`` renders the TOML (``sim.cost.load_profile`` keys, measured
 values in comments) and checks that it loads. The fitting and rendering are
