@@ -304,6 +304,14 @@ class CostModel:
             kv += ctx + new
         return self.layer_time_totals(tokens, pairs, kv)
 
+    def decode_step_time(self, batch: int, context_sum: int) -> float:
+        """``step_time((), contexts)`` from ``len(contexts)`` and ``sum(contexts)`` alone,
+        bit for bit: a run of decode steps then costs O(1) per step, not O(batch)."""
+        t = self.layer_time_totals(batch, context_sum, context_sum)
+        if t <= 0:
+            return 0.0
+        return self.num_layers * t + self._overhead + self._overhead_per_seq * batch
+
     def step_time(
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
     ) -> float:

@@ -48,16 +48,16 @@ class SimExecutor:
         """Several pure-decode steps as one sleep: the sum of their step times."""
         loop = asyncio.get_running_loop()
         budget = None if until is None else until - loop.time()
-        step_time = self.cost.step_time
-        ctx = list(contexts)
+        step_time = self.cost.decode_step_time
+        batch, context_sum = len(contexts), sum(contexts)
         total = 0.0
         ran = 0
         while ran < max_steps:
-            total += step_time((), ctx)
+            total += step_time(batch, context_sum)
             ran += 1
             if budget is not None and total >= budget:
                 break
-            ctx = [c + 1 for c in ctx]
+            context_sum += batch  # every context grows by the token just decoded
         self.busy_s += total
         await asyncio.sleep(total)
         return ran

@@ -6,6 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
 from kvflow.layout import ModelSpec, preset
@@ -204,3 +206,18 @@ def test_bad_toml_names_file_and_key(tmp_path: Path, text: str, match: str) -> N
         load_profile(str(p))
     assert str(p) in str(info.value)
 
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 200_000), min_size=1, max_size=64), st.integers(0, 50))
+def test_decode_step_time_from_sums_is_bit_identical(contexts: list[int], steps: int) -> None:
+    """The fast-forward of decode steps keeps running sums; it must charge exactly
+    what step_time over the full context list charges, step after step."""
+    prof = replace(H100, attention_mfu=0.2, step_overhead_per_seq_s=13e-6,
+                   step_overhead_per_prefill_s=0.3e-3)
+    for profile in (H100, prof):
+        cm = CostModel(LLAMA8B, profile)
+        ctx = list(contexts)
+        for _ in range(steps + 1):
+            assert cm.decode_step_time(len(ctx), sum(ctx)) == cm.step_time((), ctx)
+            ctx = [c + 1 for c in ctx]
+    assert CostModel(LLAMA8B, H100).decode_step_time(0, 0) == 0.0
