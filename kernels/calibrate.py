@@ -56,6 +56,9 @@ from kvflow.radix import Tier
 
 Log = Callable[[str], None]
 _H2D, _D2H = 1, 2
+#: Rows at which the executor's weight GEMMs are timed: their efficiency curve
+#: (``sim.cost.gemm_shape``) spans a decode of one sequence to a full chunk.
+GEMM_ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 # ----------------------------------------------------------------------- pure fitting
@@ -128,6 +131,7 @@ class StepPoint:
     attn_flops: float = 0.0
     seqs: int = 0
     prefills: int = 0
+    tokens: int = 0
 
 
 def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
@@ -153,15 +157,18 @@ def step_point(label: str, spec: ModelSpec, prefill: Sequence[tuple[int, int]],
     attn = cm.attention_flops_per_pair * pairs
     return StepPoint(label, cm.weight_flops_per_token * tokens + attn,
                      cm.weight_bytes + cm.kv_bytes_per_token * kv, seconds, attn,
-                     len(prefill) + len(decode), len(prefill))
+                     len(prefill) + len(decode), len(prefill), tokens)
 
 
 def roofline(point: StepPoint, layers: int, peak: float, hbm: float, mfu: float,
              mbu: float, overhead: float = 0.0, attention_mfu: float = 0.0,
-             per_seq: float = 0.0, per_prefill: float = 0.0) -> float:
+             per_seq: float = 0.0, per_prefill: float = 0.0,
+             gemm_shape: Callable[[float], float] | None = None) -> float:
     """The simulator's step time (``sim.cost.CostModel.step_time``) for ``point``."""
     attn = attention_mfu or mfu
-    compute = (point.flops - point.attn_flops) / (peak * mfu) + point.attn_flops / (peak * attn)
+    shape = gemm_shape(point.tokens) if gemm_shape is not None and point.tokens else 1.0
+    compute = ((point.flops - point.attn_flops) / (peak * mfu) / shape
+               + point.attn_flops / (peak * attn))
     return (layers * max(compute, point.nbytes / (hbm * mbu)) + overhead
             + per_seq * point.seqs + per_prefill * point.prefills)
 
@@ -177,7 +184,8 @@ class RooflineFit(NamedTuple):
 def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: float,
                  overheads: Sequence[float] | None = None, per_seq: float = 0.0,
                  per_prefill: float = 0.0,
-                 split_attention: bool = True) -> RooflineFit:
+                 split_attention: bool = True,
+                 gemm_shape: Callable[[float], float] | None = None) -> RooflineFit:
     """Efficiencies and fixed step cost minimising the squared log error of the step time.
 
     ``points`` carry measured step times as the engine sees them (GPU time plus
@@ -195,6 +203,9 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
     meas = np.log(np.array([p.seconds for p in points]))
     attn = np.array([p.attn_flops for p in points]) * layers / peak
     weights = np.array([p.flops for p in points]) * layers / peak - attn
+    if gemm_shape is not None:  # weight GEMMs at the measured efficiency for their rows
+        weights = weights / np.array([gemm_shape(p.tokens) if p.tokens else 1.0
+                                      for p in points])
     nbytes = np.array([p.nbytes for p in points]) * layers / hbm
     host = np.array([per_seq * p.seqs + per_prefill * p.prefills for p in points])
     split = split_attention and bool(attn.any())
@@ -314,6 +325,8 @@ def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):
@@ -624,7 +637,7 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
 
     # GEMM throughput of the executor's kernel, per layer's four GEMMs
     gemm = {}
-    for m in (64, 512, 2048, 8192):
+    for m in GEMM_ROWS:
         x = cp.zeros((m, max(shape.hidden, shape.intermediate, shape.q_dim)), cp.uint16)
         x[...] = 0x3F80  # 1.0 in bf16: real values, no zeros
         out16 = cp.empty((m, max(shape.qkv_dim, 2 * shape.intermediate)), cp.uint16)
@@ -825,7 +838,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     reason = gpu_unavailable_reason()
     if reason is not None:
         raise ConfigError(f"kvflow calibrate needs a CUDA GPU and CuPy: {reason}")
-    from sim.cost import PROFILES
+    from sim.cost import PROFILES, gemm_shape
 
     if base not in PROFILES:
         raise ConfigError(f"unknown base profile {base!r}; presets: {', '.join(PROFILES)}")
@@ -887,12 +900,16 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs
                                  + per_prefill * p.prefills)
              for p in [*exe["points"], *engine_pts]]
+    # The executor's GEMM efficiency by rows, measured above: the weight time's shape.
+    curve = [(float(m), round(min(v["flops"] / b.peak_bf16_flops, 1.0), 5))
+             for m, v in sorted(exe["gemm"].items())]
+    shape = gemm_shape(curve)
     mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
                                                   b.hbm_bytes_per_s, per_seq=per_seq,
-                                                  per_prefill=per_prefill)
+                                                  per_prefill=per_prefill, gemm_shape=shape)
     rows = [{"step": p.label, "measured_s": p.seconds,
              "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
-                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill)}
+                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill, shape)}
             for p in steps]
     log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms + "
         f"{per_seq * 1e6:.1f} us/seq host): mfu {mfu:.4f}, attention_mfu {attn_mfu:.4f}, "
@@ -921,6 +938,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "d2h": {"bandwidth_Bps": profile_links["d2h"]["bandwidth_Bps"],
                 "latency_s": profile_links["d2h"]["latency_s"]},
         "pcie_duplex": pcie_duplex(links),
+        "gemm_efficiency": [[int(t), e] for t, e in curve],
     }
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,

@@ -18,17 +18,20 @@ against 89-105 TFLOP/s on one H100 executor). Bytes are the layer's bf16
 weights, read once per step, plus the KV the batch reads (and, for prefill,
 writes). A step adds ``step_overhead_s`` plus ``step_overhead_per_seq_s`` per
 sequence in the batch and ``step_overhead_per_prefill_s`` per prefill item: the
-host's share grows with the batch it schedules.
+host's share grows with the batch it schedules. A calibrated profile may also
+carry ``gemm_efficiency``, the measured GEMM efficiency by rows (few rows
+stream the weights for little work), which divides the weight time.
 It ignores activations and the MoE effect that a large batch touches more
 than the active experts.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -57,6 +60,8 @@ class GpuProfile:
     fraction of the peak that attention reaches; 0 means "same as ``mfu``"
     (the presets). ``pcie_duplex``: the share of each PCIe direction's
     bandwidth left while the other also carries data (``sim.hierarchy``).
+    ``gemm_efficiency``: measured (tokens, fraction of peak) points of the
+    weight GEMMs; empty in the presets (one rate, ``mfu``), see ``gemm_shape``.
     """
 
     name: str
@@ -74,6 +79,7 @@ class GpuProfile:
     step_overhead_per_seq_s: float = 0.0
     step_overhead_per_prefill_s: float = 0.0
     pcie_duplex: float = 1.0
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -84,6 +90,8 @@ class GpuProfile:
 
 def _problem(key: str, value: Any) -> str | None:
     """Why ``value`` is no good for profile field ``key`` (None if it is fine)."""
+    if key == "gemm_efficiency":
+        return _curve_problem(value)
     if key == "name":
         if isinstance(value, str) and value:
             return None
@@ -99,6 +107,23 @@ def _problem(key: str, value: Any) -> str | None:
     if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
+
+
+def _curve_problem(value: Any) -> str | None:
+    """``gemm_efficiency``: (tokens, fraction of peak) pairs, tokens increasing."""
+    what = "must be a list of [tokens, efficiency] pairs, tokens increasing, efficiency in (0, 1]"
+    if not isinstance(value, (list, tuple)):
+        return f"{what}; got {value!r}"
+    last = 0.0
+    for pair in value:
+        if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in pair)):
+            return f"{what}; got {pair!r}"
+        tokens, eff = pair
+        if not (tokens > last and 0 < eff <= 1 and math.isfinite(tokens)):
+            return f"{what}; got {pair!r}"
+        last = tokens
+    return None
 
 
 # Per-op latency of a PCIe copy: DESIGN.md measured one cudaMemcpyAsync per
@@ -216,6 +241,8 @@ def _profile_from_toml(path: str) -> GpuProfile:
         problem = _problem(k, v)
         if problem:
             raise ConfigError(f"{path}: key {k!r} {problem}")
+        if k == "gemm_efficiency":
+            v = tuple((float(t), float(e)) for t, e in v)
         changes[k] = v
     return replace(base, **changes)
 
@@ -237,6 +264,34 @@ def _link_from_toml(path: str, key: str, table: Any, base: Link) -> Link:
         field = next((k for k in table if f"Link.{k} " in str(exc)), "?")
         detail = str(exc).split(" ", 1)[1]
         raise ConfigError(f"{path}: key '{key}.{field}' {detail}") from None
+
+
+def gemm_shape(curve: Sequence[tuple[float, float]]) -> Callable[[float], float] | None:
+    """GEMM efficiency at ``tokens`` rows relative to the curve's last point, or None.
+
+    ``curve``: measured (tokens, fraction of peak) points. Between points the
+    efficiency is interpolated linearly in log(tokens); outside, it is the
+    nearest point's. A GEMM over few rows streams the weights once for little
+    work (the executor's reach 41 TFLOP/s at 64 rows, 177 at 8192), which one
+    ``mfu`` cannot follow: a step's weight time is divided by this shape, so
+    ``mfu`` stays the rate of large chunks.
+    """
+    if not curve:
+        return None
+    xs = [math.log(t) for t, _ in curve]
+    ys = [e / curve[-1][1] for _, e in curve]
+
+    def shape(tokens: float) -> float:
+        x = math.log(tokens) if tokens > 0 else xs[0]
+        if x <= xs[0]:
+            return ys[0]
+        if x >= xs[-1]:
+            return ys[-1]
+        i = bisect.bisect_right(xs, x)
+        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+
+    return shape
 
 
 class CostModel:
@@ -268,6 +323,8 @@ class CostModel:
         #: KV bytes of one token in one layer (padding included).
         self.kv_bytes_per_token = spec.bytes_per_layer_block / spec.block_tokens
         attention_mfu = profile.attention_mfu or profile.mfu
+        self.gemm_shape = gemm_shape(profile.gemm_efficiency)
+        self._shape_cache: dict[float, float] = {}
         #: Seconds per weight-matmul token and per attention pair (FLOPs / achieved rate).
         self._sec_per_token = self.weight_flops_per_token / (profile.peak_bf16_flops * profile.mfu)
         self._sec_per_pair = self.attention_flops_per_pair / (
@@ -287,7 +344,13 @@ class CostModel:
         """
         if tokens <= 0:
             return 0.0
-        compute = self._sec_per_token * tokens + self._sec_per_pair * attention_pairs
+        if self.gemm_shape is None:
+            compute = self._sec_per_token * tokens + self._sec_per_pair * attention_pairs
+        else:
+            shape = self._shape_cache.get(tokens)
+            if shape is None:
+                shape = self._shape_cache[tokens] = self.gemm_shape(tokens)
+            compute = self._sec_per_token * tokens / shape + self._sec_per_pair * attention_pairs
         memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) * self._sec_per_byte
         return compute if compute > memory else memory
 

@@ -125,6 +125,25 @@ def test_fit_roofline_recovers_mfu_attention_mfu_and_mbu() -> None:
     assert held.overhead == 0.0 and held.rms > fit.rms and held.mbu < 0.63
 
 
+def test_fit_roofline_with_a_gemm_curve_recovers_the_large_chunk_rate() -> None:
+    from sim.cost import gemm_shape
+
+    prof = PROFILES["h100"]
+    peak, hbm = prof.peak_bf16_flops, prof.hbm_bytes_per_s
+    shape = gemm_shape(((1.0, 0.002), (64.0, 0.04), (1024.0, 0.15), (8192.0, 0.18)))
+    pts = []
+    for pre, dec in ([([(n, c)], []) for n, c in ((256, 0), (1024, 2048), (8192, 0),
+                                                  (8192, 8192), (2048, 32768))]
+                     + [([], [c + 1] * b) for b, c in ((1, 1024), (8, 4096), (64, 2048))]):
+        p = step_point("", SPEC, pre, dec, 0.0)
+        assert p.tokens == sum(n for n, _ in pre) + len(dec)
+        pts.append(replace(p, seconds=roofline(p, 4, peak, hbm, 0.2, 0.6, 1e-3, 0.1,
+                                               gemm_shape=shape)))
+    fit = fit_roofline(pts, 4, peak, hbm, gemm_shape=shape)
+    assert fit.mfu == pytest.approx(0.2, rel=0.03) and fit.rms < 0.01
+    assert fit_roofline(pts, 4, peak, hbm).rms > 3 * fit.rms  # one rate cannot follow it
+
+
 def test_host_share_fit_recovers_fixed_per_sequence_and_per_prefill() -> None:
     rng = np.random.default_rng(0)
     seqs = rng.integers(1, 25, size=200)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
 from kvflow.layout import ModelSpec, preset
-from sim.cost import PROFILES, CostModel, load_profile
+from sim.cost import PROFILES, CostModel, gemm_shape, load_profile
 from sim.hierarchy import Hierarchy, Link
 
 H100 = PROFILES["h100"]
@@ -221,3 +221,32 @@ def test_decode_step_time_from_sums_is_bit_identical(contexts: list[int], steps:
             assert cm.decode_step_time(len(ctx), sum(ctx)) == cm.step_time((), ctx)
             ctx = [c + 1 for c in ctx]
     assert CostModel(LLAMA8B, H100).decode_step_time(0, 0) == 0.0
+
+
+def test_gemm_efficiency_curve_shapes_the_weight_time(tmp_path: Path) -> None:
+    """A calibrated profile's measured GEMM efficiency by rows divides the weight time:
+    few rows run far below the rate of a full chunk, which ``mfu`` keeps."""
+    curve = ((1.0, 0.001), (64.0, 0.04), (512.0, 0.16), (8192.0, 0.18))
+    shape = gemm_shape(curve)
+    assert shape is not None and gemm_shape(()) is None
+    assert shape(8192) == 1.0 and shape(100_000) == 1.0      # past the last point: its rate
+    assert shape(1) == shape(0.5) == pytest.approx(0.001 / 0.18)  # before the first: its rate
+    # log-linear between points: 4096 sits half way (in log) from 512 to 8192
+    assert shape(2048) == pytest.approx((0.16 + 0.5 * (0.18 - 0.16)) / 0.18)
+    prof = replace(H100, gemm_efficiency=curve)
+    cm, plain = CostModel(LLAMA8B, prof), CostModel(LLAMA8B, H100)
+    assert cm.layer_time([(8192, 0)], []) == plain.layer_time([(8192, 0)], [])
+    weights = 2 * 250_937_500 * 512 / (989.4e12 * 0.5)
+    attention = 4 * 32 * 128 * 512 * 256 / (989.4e12 * 0.5)
+    assert cm.layer_time([(512, 0)], []) == pytest.approx(weights / (0.16 / 0.18) + attention)
+    # a one-sequence decode: its GEMM at 0.1% of the peak outlasts reading the weights
+    gemm1 = 2 * 250_937_500 / (989.4e12 * 0.5) / (0.001 / 0.18)
+    attn1 = 4 * 32 * 128 * 1000 / (989.4e12 * 0.5)
+    memory1 = (501_875_000 + 4096 * 1000) / 3.35e12
+    assert gemm1 + attn1 > memory1 == pytest.approx(plain.layer_time([], [1000]), rel=1e-12)
+    assert cm.layer_time([], [1000]) == pytest.approx(gemm1 + attn1, rel=1e-12)
+    p = write(tmp_path, 'gemm_efficiency = [[1, 0.001], [64, 0.04], [512, 0.16], [8192, 0.18]]')
+    assert load_profile(p).gemm_efficiency == curve
+    for bad in ("[[64, 0.04], [1, 0.001]]", "[[1, 1.5]]", "[1, 2]", "0.5"):
+        with pytest.raises(ConfigError, match=r"gemm_efficiency.*tokens increasing"):
+            load_profile(write(tmp_path, f"gemm_efficiency = {bad}", "bad.toml"))
