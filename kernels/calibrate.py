@@ -191,10 +191,12 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
     """Efficiencies and fixed step cost minimising the squared log error of the step time.
 
     ``points`` carry measured step times as the engine sees them (GPU time plus
-    the host's share); the model is ``roofline`` with ``per_seq`` held (it is
-    measured apart, from a replay's gaps between steps) and a fixed
-    per-step term fitted. ``overheads``: candidate values for that term
-    (default: 0 .. 90% of the fastest step); pass ``[x]`` to hold it.
+    the host's share); the model is ``roofline`` with ``per_seq`` and
+    ``per_prefill`` held (measured apart, from a replay's gaps between steps),
+    the weight time divided by ``gemm_shape`` at each step's rows where given
+    (measured GEMM efficiency), and a fixed per-step term fitted.
+    ``overheads``: candidate values for that term (default: 0 .. 90% of the
+    fastest step); pass ``[x]`` to hold it.
     ``split_attention``: fit attention's own rate (else it shares ``mfu``).
     A grid (log scale for the efficiencies), then a finer one around the best:
     the objective is piecewise (which roofline term wins), so a grid is robust
