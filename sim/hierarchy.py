@@ -77,6 +77,7 @@ from kvflow.errors import ConfigError, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
 from kvflow.radix import Tier
+from kvflow.runtime import LINKS as ROUTES  # (src tier, dst tier) -> link name
 
 if TYPE_CHECKING:
     from sim.cost import GpuProfile
@@ -86,15 +87,6 @@ __all__ = ["LINKS", "Hierarchy", "Link", "SimBackend", "SimTransfer"]
 #: The link names, in ``Hierarchy`` field order (also the keys of ``metrics()``).
 LINKS = ("h2d", "d2h", "storage_read", "storage_write")
 
-#: (src tier, dst tier) -> link name.
-ROUTES: dict[tuple[int, int], str] = {
-    (Tier.HOST, Tier.DEVICE): "h2d",
-    (Tier.DEVICE, Tier.HOST): "d2h",
-    (Tier.STORAGE, Tier.HOST): "storage_read",
-    (Tier.STORAGE, Tier.DEVICE): "storage_read",
-    (Tier.HOST, Tier.STORAGE): "storage_write",
-    (Tier.DEVICE, Tier.STORAGE): "storage_write",
-}
 
 
 @dataclass(frozen=True)
