@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kernels._cuda import cupy_module, gpu_unavailable_reason
-from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, Capacities, OpKind, TransferOp
 from kvflow.radix import Tier
@@ -38,13 +37,13 @@ from sim.replay import (
     Setup,
     TransferLog,
     _full_report,
-    _Sampler,
     _summary,
     assemble_report,
     blocks_for_gb,
     default_device_blocks,
     make_manager,
     resolve,
+    wire_engine,
 )
 
 GiB = 1024**3
@@ -255,13 +254,8 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     backend.synchronize()
     executor.step_log = step_log  # (calibration reads the engine's steps)
     log = cuda_transfer_log(backend, loop)
-    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
-    engine = Engine(manager, runtime, executor,
-                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    runtime, engine, sampler = wire_engine(cfg, setup, manager, log, executor, loop, progress)
     total = len(setup.requests)
-    if progress is not None:
-        engine.on_finish = lambda st: progress(len(engine.done), total)
-    sampler = _Sampler(engine, log, executor, cfg.sample_interval_s)
     # Timestamps and arrivals on a fine clock aligned with the loop's: uvloop's
     # timers and loop.time() count whole milliseconds, which would add up to a
     # millisecond or two of harness lateness to every TTFT.

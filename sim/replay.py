@@ -284,14 +284,9 @@ async def _replay_full(
     if configure_backend is not None:
         configure_backend(backend)
     log = TransferLog(backend, loop, sim_service_s)
-    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     executor = SimExecutor(CostModel(spec, setup.profile), spec.num_layers)
-    engine = Engine(manager, runtime, executor,
-                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    runtime, engine, sampler = wire_engine(cfg, setup, manager, log, executor, loop, progress)
     total = len(setup.requests)
-    if progress is not None:
-        engine.on_finish = lambda st: progress(len(engine.done), total)
-    sampler = _Sampler(engine, log, executor, cfg.sample_interval_s)
     start = loop.time()
     arrivals = [start + r.arrival_s for r in setup.requests]
     cursor = 0  # index of the next request to arrive
@@ -312,6 +307,25 @@ async def _replay_full(
     if inspect is not None:
         inspect(manager, runtime)
     return _full_report(setup, engine, runtime, log, sampler, end - start)
+
+
+def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: TransferLog,
+                executor: Any, loop: asyncio.AbstractEventLoop,
+                progress: Callable[[int, int], None] | None
+                ) -> tuple[Runtime, Engine, _Sampler]:
+    """Runtime, engine and sampler over a world's logged backend and executor.
+
+    Both worlds' replays build these alike, which is what makes their reports
+    comparable.
+    """
+    spec = setup.spec
+    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
+    engine = Engine(manager, runtime, executor,
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    if progress is not None:
+        total = len(setup.requests)
+        engine.on_finish = lambda st: progress(len(engine.done), total)
+    return runtime, engine, _Sampler(engine, log, executor, cfg.sample_interval_s)
 
 
 class _Sampler:
