@@ -17,7 +17,8 @@ it in the op's final host callback. Use a copier from one thread (the event loop
 Large pieces go to the copy engine instead, as one batched driver call per
 launch (``kernels/dma.py``): SM-issued PCIe traffic tops out at ~92% of the
 link one way and ~80% both ways on an H100, the copy engine does not, and it
-leaves every SM to compute. Its cost is host time per descriptor (~0.4 us), so
+leaves every SM to compute. Its cost is time per descriptor (~0.5 us on the
+host, more on the engine for small pieces), so
 only pieces of ``dma_min_bytes`` and more take it; small pieces stay with the
 kernel, which is faster there.
 """
@@ -56,8 +57,9 @@ DEFAULT_STORE_CTAS = 2
 #: A memcpy costs microseconds of setup, so only long runs win there.
 DEFAULT_MIN_RUN_BYTES = 1 << 20
 #: Default piece size (bytes of one role of one layer of one block) from which an op goes to
-#: the copy engine as one batched memcpy per launch. H100: the batch reached 53-55 GB/s at
-#: 128 KB pieces and 0.95+ of the link at 512 KB, the kernel 51; at 32 KB the two were even.
+#: the copy engine as one batched memcpy per launch. H100 (bench_kernels.py, per-layer
+#: launches): the batch moved 52 GB/s each way at 128 KB and 54 at 512 KB against the
+#: kernel's 50-52, but only 18 h2d / 40 d2h at 32 KB, where the kernel moved 48 / 52.
 DEFAULT_DMA_MIN_BYTES = 128 << 10
 #: Copy-engine modes: by piece size, never, or for every op (errors if unavailable).
 DMA_MODES = ("auto", "never", "always")
