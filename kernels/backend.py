@@ -60,11 +60,18 @@ class CudaTask:
     #: False when the op failed before anything was enqueued (nothing was written).
     started: bool = False
     #: With ``CudaBackend.record_starts``: a timing event recorded once the first layer's
-    #: waits are enqueued, right before its copy (it completes when the op starts on its link).
+    #: waits are enqueued, right before its copy (it completes when the op starts on its link),
+    #: and one right after the last layer's copy.
     start_event: object = None
+    end_event: object = None
     _owner: CudaBackend | None = field(default=None, repr=False)
     #: Names the task to its host callbacks (see ``_host_callback``).
     key: int = field(default_factory=lambda: next(_KEYS))
+    #: First layer not enqueued yet (``num_layers`` once all are; see ``CudaBackend.defer_tail``).
+    next_layer: int = 0
+    #: Same-direction ops it must follow on other streams, waited on group by group.
+    deps: list[CudaTask] = field(default_factory=list, repr=False)
+    notify: object = field(default=None, repr=False)
 
     @property
     def num_layers(self) -> int:
@@ -85,6 +92,7 @@ class CudaTask:
 
     def _finish(self, release: bool) -> None:
         self.finished = True
+        self.deps = []
         if self._owner is not None:
             self._owner._live.pop(self.key, None)
         if release and self._owner is not None:
@@ -100,6 +108,14 @@ class CudaTask:
 
 
 _KEYS = itertools.count()
+
+
+def _loop_running(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` runs in this thread now (so a ``call_soon`` will come)."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _host_callback(arg: tuple[asyncio.AbstractEventLoop, weakref.ref, int, int, int]) -> None:
@@ -221,6 +237,15 @@ class CudaBackend:
     layer still gets its own event, recorded when its group lands).
     ``dma``/``dma_min_bytes``: when ops go to the copy engine as batched memcpys
     instead of the kernel (see ``kernels.swap``); ``use_dma`` says what was chosen.
+
+    ``defer_tail``: ``submit`` enqueues an op's first layer group at once and the
+    rest when someone needs them (``wait_layer``/``layer_event`` on a layer, the
+    next op on its stream, ``pump`` from the compute's enqueue loop) or on the
+    event loop's next turn, whichever is first. Enqueueing 32 layers costs the
+    CPU ~0.5-1.2 ms; done up front it delays the step that overlaps the load by
+    that much while the GPU has layer 0 long landed (measured: the step's start,
+    not any wait on a layer, was what cost the overlap). Only while an event
+    loop runs; otherwise every layer is enqueued at submit.
     """
 
     def __init__(
@@ -239,6 +264,7 @@ class CudaBackend:
         stream_priority: int | None = None,
         dma: str = "auto",
         dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
+        defer_tail: bool = True,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -258,8 +284,14 @@ class CudaBackend:
         self.device = cp.cuda.runtime.getDevice() if device is None else device
         self._loop = loop
         self._event_pool: list[object] = []
-        #: Give every task a ``start_event`` (replays time each op's service with it).
+        #: Give every task a ``start_event`` and an ``end_event`` (replays time each op's
+        #: service with them).
         self.record_starts = False
+        self.defer_tail = defer_tail
+        #: Per copy stream, the one task with layers still to enqueue (only the
+        #: stream's latest op can have any: a new op first enqueues the rest).
+        self._tails: dict[int, CudaTask] = {}
+        self._flush_scheduled = False
         #: Tasks with host callbacks still to come, by key (loop thread only); the
         #: callbacks name the backend by weak reference and the task by key.
         self._live: dict[int, CudaTask] = {}
@@ -315,7 +347,7 @@ class CudaBackend:
         """
         copier, stream, notify = self._route(op)
         loop = self._event_loop()
-        task = CudaTask(op, sink, loop, stream, _owner=self)
+        task = CudaTask(op, sink, loop, stream, _owner=self, notify=notify)
         try:
             prep = copier.prepare(op.src_ids, op.dst_ids, stream)
         except InvalidBlockId as exc:
@@ -327,36 +359,99 @@ class CudaBackend:
         task.events = self._take_events(self.num_layers)
         task.started = True
         self._live[task.key] = task
+        self._finish_tail(stream)  # same-stream order: the previous op's layers first
         # Same-stream predecessors are already ordered; finished ones are past.
-        deps = [h for h in after if isinstance(h, CudaTask) and h.started
-                and not h.finished and h.stream is not stream]
-        events, L, k = task.events, self.num_layers, self.layers_per_launch
-        layer = 0
+        task.deps = [h for h in after if isinstance(h, CudaTask) and h.started
+                     and not h.finished and h.stream is not stream]
+        if not self.defer_tail or not _loop_running(loop):
+            self._enqueue_layers(task, self.num_layers - 1)
+            return task
+        self._enqueue_layers(task, 0)
+        if task.next_layer < self.num_layers:
+            self._tails[id(stream)] = task
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush_tails)
+        return task
+
+    def _enqueue_layers(self, task: CudaTask, through: int) -> None:
+        """Enqueue ``task``'s layer groups up to the one holding layer ``through``."""
+        copier = self.h2d if task.stream is self.load_stream else self.d2h
+        stream, notify, events = task.stream, task.notify, task.events
+        L, k = self.num_layers, self.layers_per_launch
+        layer = task.next_layer
         try:
-            for layer in range(0, L, k):
+            while layer <= through and layer < L:
                 count = min(k, L - layer)
                 last = layer + count - 1
-                for h in deps:  # their layers land in order: waiting on `last` covers the group
-                    stream.wait_event(h.events[last])
+                for h in task.deps:  # layers land in order: waiting on `last` covers the group
+                    if not h.finished:
+                        self._ensure(h, last)
+                        stream.wait_event(h.events[last])
                 if layer == 0 and self.record_starts:
                     task.start_event = self._cp.cuda.Event()
                     task.start_event.record(stream)
-                copier.launch(prep, stream, layer, count)
+                copier.launch(task.prep, stream, layer, count)
+                if last == L - 1 and self.record_starts:
+                    task.end_event = self._cp.cuda.Event()
+                    task.end_event.record(stream)
                 for i in range(layer, last + 1):
                     events[i].record(stream)
                 notify.wait_event(events[last])
-                notify.launch_host_func(_host_callback, (loop, self._ref, task.key, layer, count))
+                notify.launch_host_func(_host_callback,
+                                        (task.loop, self._ref, task.key, layer, count))
+                layer = last + 1
+                task.next_layer = layer
         except Exception as exc:  # a CUDA error while enqueueing: report it, keep order
-            task.error = TransferError(f"op {op.op_id}: enqueueing layer {layer} failed: {exc}")
+            task.next_layer = L
+            task.error = TransferError(
+                f"op {task.op.op_id}: enqueueing layer {layer} failed: {exc}")
             task.error.__cause__ = exc
             try:
                 for ev in events[layer:]:
                     ev.record(stream)  # dependents must not wait on stale events
                 notify.wait_event(events[-1])
-                notify.launch_host_func(_host_callback, (loop, self._ref, task.key, layer, 0))
+                notify.launch_host_func(_host_callback, (task.loop, self._ref, task.key, layer, 0))
             except Exception:
-                loop.call_soon(task._finish, False)
-        return task
+                task.loop.call_soon(task._finish, False)
+        if task.next_layer >= L:
+            task.deps = []
+            if self._tails.get(id(stream)) is task:
+                del self._tails[id(stream)]
+
+    def _ensure(self, task: CudaTask, layer: int) -> None:
+        """Layer ``layer`` of ``task`` (and all before it) is enqueued."""
+        if task.next_layer <= layer and not task.finished:
+            self._enqueue_layers(task, layer)
+
+    def _finish_tail(self, stream: object) -> None:
+        task = self._tails.pop(id(stream), None)
+        if task is not None:
+            self._enqueue_layers(task, self.num_layers - 1)
+
+    def flush(self) -> None:
+        """Enqueue every deferred layer now: for callers that record their own events on
+        the copy streams and mean "after what was submitted"."""
+        self._flush_tails()
+
+    def _flush_tails(self) -> None:
+        """Enqueue every deferred layer (the loop's next turn, or before a sync)."""
+        self._flush_scheduled = False
+        for task in list(self._tails.values()):
+            self._enqueue_layers(task, self.num_layers - 1)
+        self._tails.clear()
+
+    def pump(self) -> None:
+        """Enqueue one more layer group of every op with deferred layers.
+
+        The compute's enqueue loop calls it once per layer, so ops it does
+        not wait on (backups, other requests' loads) keep their streams fed
+        while it runs, instead of idling until the loop's next turn.
+        """
+        if not self._tails:
+            return
+        for task in list(self._tails.values()):
+            self._enqueue_layers(task, task.next_layer)
 
     def cancel(self, handle: object) -> None:
         """Stop reporting ``handle``; its sink gets ``done(TransferError)`` once the GPU is past it.
@@ -377,15 +472,20 @@ class CudaBackend:
             raise TransferError(f"op {task.op.op_id} failed before it started: {task.error}")
         if task.finished:
             return  # the GPU is past every layer of it
+        self._ensure(task, layer)
         stream.wait_event(task.events[layer])
 
     def layer_event(self, handle: object, layer: int) -> object | None:
         """The CUDA event recorded after layer ``layer`` (``None`` once the op has finished)."""
         task = self._task(handle)
-        return None if task.finished else task.events[layer]
+        if task.finished:
+            return None
+        self._ensure(task, layer)
+        return task.events[layer]
 
     def synchronize(self) -> None:
         """Block until both streams are idle (tests, shutdown; never on the hot path)."""
+        self._flush_tails()
         for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify):
             s.synchronize()
 

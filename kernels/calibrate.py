@@ -418,15 +418,12 @@ async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], li
     backend.record_starts = True
     recs = []
     for i, (src, dst, s, d) in enumerate(pairs):
-        stream = backend.load_stream if dst == Tier.DEVICE else backend.store_stream
         sink = FutureSink(backend.num_layers)
         task = backend.submit(TransferOp(10_000 + i, OpKind.EVICT, src, dst, s, d, []), sink)
-        b = cp.cuda.Event()
-        b.record(stream)
-        recs.append((task.start_event, b, sink))
-    for _, _, sink in recs:
+        recs.append((task, sink))
+    for _, sink in recs:
         await sink.wait()
-    return [cp.cuda.get_elapsed_time(a, b) / 1e3 for a, b, _ in recs]
+    return [cp.cuda.get_elapsed_time(t.start_event, t.end_event) / 1e3 for t, _ in recs]
 
 
 async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,

@@ -148,40 +148,25 @@ async def sleep_until(clock: Callable[[], float], due: float) -> None:
 
 
 def cuda_transfer_log(backend: Any, loop: asyncio.AbstractEventLoop) -> TransferLog:
-    """A ``TransferLog`` timing each op with CUDA events on its stream.
+    """A ``TransferLog`` timing each op with its task's CUDA events.
 
-    The start is the task's ``start_event``, recorded after the waits for the
-    ops it depends on and right before its first layer's copy (it completes
-    when the op starts on its link, as the simulator's service time starts);
-    the end event is recorded right after its last layer's copy.
+    The start event is recorded after the waits for the ops it depends on and
+    right before its first layer's copy (it completes when the op starts on
+    its link, as the simulator's service time starts); the end event right
+    after its last layer's copy, whenever that layer is enqueued.
     """
     cp = cupy_module()
     backend.record_starts = True
 
-    def stream_of(op: TransferOp) -> Any:
-        if (op.src_tier, op.dst_tier) == (Tier.HOST, Tier.DEVICE):
-            return backend.load_stream
-        if (op.src_tier, op.dst_tier) == (Tier.DEVICE, Tier.HOST):
-            return backend.store_stream
-        return None
-
-    def begin(op: TransferOp) -> Any:
-        stream = stream_of(op)
-        return None if stream is None else [None, stream]
-
-    def end(token: Any) -> None:
-        if token is not None:
-            token[0] = cp.cuda.Event()
-            token[0].record(token[1])
-
-    def service(handle: Any, token: Any) -> float | None:
+    def service(handle: Any) -> float | None:
         start = getattr(handle, "start_event", None)
-        if token is None or token[0] is None or start is None:
+        end = getattr(handle, "end_event", None)
+        if start is None or end is None:
             return None
-        token[0].synchronize()  # at done time the GPU is past it (or a few us from it)
-        return cp.cuda.get_elapsed_time(start, token[0]) / 1e3
+        end.synchronize()  # at done time the GPU is past it (or a few us from it)
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
 
-    return TransferLog(backend, loop, service, begin=begin, end=end)
+    return TransferLog(backend, loop, service)
 
 
 def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | None = None, *,
@@ -287,7 +272,7 @@ async def _replay_gpu(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     sampler.sample()
     end = clock()
     if op_log is not None:
-        op_log.extend((r[0], r[1], r[2], r[8]) for r in log.records if r[5] and r[8] is not None)
+        op_log.extend((r[0], r[1], r[2], r[7]) for r in log.records if r[5] and r[7] is not None)
     backend.synchronize()
     if inspect is not None:
         inspect(manager, runtime)

@@ -61,7 +61,7 @@ def tiny_spec(block_tokens: int = 16, num_layers: int = 4, num_kv_heads: int = 2
                      intermediate_size=num_kv_heads * head_dim * 8, active_params=1e6)
 
 
-def service_s(handle: Any, token: Any) -> float | None:
+def service_s(handle: Any) -> float | None:
     """An op's service time in this world: its first copy or store call starting to its end."""
     inner = getattr(handle, "inner", None) or handle  # a RoutedHandle's sub-backend handle
     start, end = getattr(inner, "started_at", None), getattr(inner, "ended_at", None)

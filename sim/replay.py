@@ -478,33 +478,24 @@ class TransferLog:
     (queueing and dependencies included) and ``service`` from the op's first
     layer starting on its link to its last layer landing, as the world's
     ``service(handle, token)`` reports it (simulated: from the link model's
-    times; CUDA: from events around the op on its stream). ``begin(op)``, if
-    given, runs before each submit and returns that ``token``; ``end(token)``
-    right after it. Handles are the inner backend's, so device-side waits
-    (``wait_layer``) work unchanged.
+    times; CUDA: from the task's own events around its copies). Handles are
+    the inner backend's, so device-side waits (``wait_layer``) work unchanged.
     """
 
     def __init__(self, backend: Any, loop: asyncio.AbstractEventLoop,
-                 service: Callable[[Any, Any], float | None],
-                 begin: Callable[[TransferOp], Any] | None = None,
-                 end: Callable[[Any], None] | None = None) -> None:
+                 service: Callable[[Any], float | None]) -> None:
         self.backend = backend
         self.num_layers = backend.num_layers
         self._loop = loop
         self._service = service
-        self._begin = begin
-        self._end = end
-        #: [kind, link, blocks, submit time, done time, ok, handle, token, service_s]
+        #: [kind, link, blocks, submit time, done time, ok, handle, service_s]
         self.records: list[list[Any]] = []
 
     def submit(self, op: TransferOp, sink: Any, after: Any = ()) -> Any:
-        token = self._begin(op) if self._begin is not None else None
         rec = [op.kind.value, LINKS.get((op.src_tier, op.dst_tier), "?"), op.num_blocks,
-               self._loop.time(), None, False, None, token, None]
+               self._loop.time(), None, False, None, None]
         self.records.append(rec)
         rec[6] = handle = self.backend.submit(op, _LoggedSink(self, rec, sink), after)
-        if self._end is not None:
-            self._end(token)
         return handle
 
     def cancel(self, handle: Any) -> None:
@@ -517,8 +508,8 @@ class TransferLog:
         rec[4] = self._loop.time()
         rec[5] = error is None
         if error is None:
-            rec[8] = self._service(rec[6], rec[7])
-        rec[6] = rec[7] = None  # let handles and events go
+            rec[7] = self._service(rec[6])
+        rec[6] = None  # let handles and events go
 
     def metrics(self) -> dict[str, Any]:
         """The inner backend's, or per-link ``busy_s`` summed from service times."""
@@ -527,8 +518,8 @@ class TransferLog:
             return inner()
         busy = dict.fromkeys(_Sampler.LINKS, 0.0)
         for rec in self.records:
-            if rec[8] is not None and rec[1] in busy:
-                busy[rec[1]] += rec[8]
+            if rec[7] is not None and rec[1] in busy:
+                busy[rec[1]] += rec[7]
         return {k: {"busy_s": v} for k, v in busy.items()}
 
     def summary(self) -> dict[str, Any]:
@@ -536,10 +527,10 @@ class TransferLog:
         out: dict[str, Any] = {}
         kinds = sorted({r[0] for r in self.records})
         for kind in kinds:
-            done = [r for r in self.records if r[0] == kind and r[5] and r[8] is not None]
+            done = [r for r in self.records if r[0] == kind and r[5] and r[7] is not None]
             if not done:
                 continue
-            service = np.array([r[8] for r in done])
+            service = np.array([r[7] for r in done])
             latency = np.array([r[4] - r[3] for r in done])
             blocks = np.array([r[2] for r in done], dtype=float)
             out[kind] = {
@@ -553,7 +544,7 @@ class TransferLog:
         return out
 
 
-def sim_service_s(handle: Any, token: Any) -> float | None:
+def sim_service_s(handle: Any) -> float | None:
     """A simulated op's service time: its first layer's start to its last layer's landing."""
     if not handle.land_times or handle.finished_at is None:
         return None

@@ -420,6 +420,11 @@ def test_no_cuda_object_dies_on_the_driver_thread(monkeypatch: pytest.MonkeyPatc
 
     seen: list[object] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
+    # Reference counting is what is tested: a cyclic collection that happens to start
+    # in a driver thread (``LoopThreadGC``'s concern) would fail it at random.
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
     spec = SPECS["mha-bf16"]
     backend = CudaBackend(spec, 16, 16)
     backend.record_starts = True
@@ -433,8 +438,64 @@ def test_no_cuda_object_dies_on_the_driver_thread(monkeypatch: pytest.MonkeyPatc
         await asyncio.gather(*(s.wait() for s in sinks))
         await asyncio.sleep(0.05)
 
-    run(main)
-    backend.synchronize()
+    try:
+        run(main)
+        backend.synchronize()
+    finally:
+        if was_enabled:
+            gc.enable()
     gc.collect()
     assert not seen, seen
     assert not backend._live
+
+
+# ---------------------------------------------------------------- deferred layers
+def test_deferred_layers_enqueue_on_demand_in_stream_order() -> None:
+    """``defer_tail``: the first layer at submit, later ones when waited on, pumped, or the
+    stream's next op arrives (which must still run after them), the rest on the next turn."""
+    spec = SPECS["mha-bf16"]
+    L = spec.num_layers
+    rng = np.random.default_rng(5)
+    backend = CudaBackend(spec, 64, 64)
+    fill_random(backend, rng)
+    compute = cp.cuda.Stream(non_blocking=True)
+    dev = rng.permutation(64)[:12].tolist()
+    a, b, c = (rng.permutation(64)[:12].tolist() for _ in range(3))
+
+    async def main() -> list[FutureSink]:
+        sinks = [FutureSink(L) for _ in range(4)]
+        spin(backend.load_stream, 0.02)
+        t0 = backend.submit(op(OpKind.SWAP_IN, a, dev), sinks[0], ())
+        assert t0.next_layer == 1
+        backend.wait_layer(compute, t0, 1)
+        assert t0.next_layer == 2
+        backend.pump()
+        assert t0.next_layer == L
+        t1 = backend.submit(op(OpKind.SWAP_IN, b, dev), sinks[1], ())
+        assert t1.next_layer == 1
+        t2 = backend.submit(op(OpKind.SWAP_IN, c, dev), sinks[2], ())  # overwrites t1's blocks
+        assert (t1.next_layer, t2.next_layer) == (L, 1)
+        t3 = backend.submit(op(OpKind.EVICT, dev, b), sinks[3], (t2,))  # after t2, other stream
+        assert t2.next_layer >= 1 and t3.next_layer == 1
+        await asyncio.sleep(0)
+        assert (t2.next_layer, t3.next_layer) == (L, L)
+        await asyncio.gather(*(s.wait() for s in sinks))
+        return sinks
+
+    host0 = [backend.host_kv(layer, "k").copy() for layer in range(L)]
+    sinks = run(main)
+    assert all(s.reported == list(range(L)) for s in sinks)
+    for layer in range(L):
+        np.testing.assert_array_equal(cp.asnumpy(backend.device_kv(layer, "k"))[dev],
+                                      host0[layer][c])
+        np.testing.assert_array_equal(backend.host_kv(layer, "k")[b], host0[layer][c])
+
+    eager = CudaBackend(spec, 64, 64, defer_tail=False)
+
+    async def eager_submit() -> None:
+        sink = FutureSink(L)
+        task = eager.submit(op(OpKind.SWAP_IN, a, dev), sink, ())
+        assert task.next_layer == L
+        await sink.wait()
+
+    run(eager_submit)

@@ -176,8 +176,8 @@ async def test_duplex_share_slows_units_started_while_the_other_way_is_busy() ->
     assert load.layers[1:] == pytest.approx(sums(full, shared, 3), rel=1e-12)
     assert store.layers[0] == pytest.approx(shared, rel=1e-12)
     # service time runs from the first unit's real start
-    assert sim_service_s(h_load, None) == pytest.approx(load.layers[-1], rel=1e-12)
-    assert sim_service_s(h_store, None) == pytest.approx(store.layers[-1], rel=1e-12)
+    assert sim_service_s(h_load) == pytest.approx(load.layers[-1], rel=1e-12)
+    assert sim_service_s(h_store) == pytest.approx(store.layers[-1], rel=1e-12)
     # the links were busy for the time their units really took
     m = be.metrics()
     assert m["h2d"]["busy_s"] == pytest.approx(load.layers[-1], rel=1e-12)
