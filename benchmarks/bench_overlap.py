@@ -85,7 +85,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record(backend.load_stream)
         t = load()
-        backend.flush()  # every layer enqueued before the end event (``defer_tail``)
+        backend.flush()  # every layer enqueued before the end event (``eager_layers``)
         b.record(backend.load_stream)
         await t.wait()
         return cp.cuda.get_elapsed_time(a, b) / 1e3

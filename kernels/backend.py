@@ -67,7 +67,7 @@ class CudaTask:
     _owner: CudaBackend | None = field(default=None, repr=False)
     #: Names the task to its host callbacks (see ``_host_callback``).
     key: int = field(default_factory=lambda: next(_KEYS))
-    #: First layer not enqueued yet (``num_layers`` once all are; see ``CudaBackend.defer_tail``).
+    #: First layer not enqueued yet (``num_layers`` once all are; ``CudaBackend.eager_layers``).
     next_layer: int = 0
     #: Same-direction ops it must follow on other streams, waited on group by group.
     deps: list[CudaTask] = field(default_factory=list, repr=False)
@@ -238,14 +238,17 @@ class CudaBackend:
     ``dma``/``dma_min_bytes``: when ops go to the copy engine as batched memcpys
     instead of the kernel (see ``kernels.swap``); ``use_dma`` says what was chosen.
 
-    ``defer_tail``: ``submit`` enqueues an op's first layer group at once and the
-    rest when someone needs them (``wait_layer``/``layer_event`` on a layer, the
-    next op on its stream, ``pump`` from the compute's enqueue loop) or on the
-    event loop's next turn, whichever is first. Enqueueing 32 layers costs the
-    CPU ~0.5-1.2 ms; done up front it delays the step that overlaps the load by
-    that much while the GPU has layer 0 long landed (measured: the step's start,
-    not any wait on a layer, was what cost the overlap). Only while an event
-    loop runs; otherwise every layer is enqueued at submit.
+    ``eager_layers``: ``submit`` enqueues an op's first ``eager_layers`` layers at
+    once and the rest when someone needs them (``wait_layer``/``layer_event`` on
+    a layer, the next op on its stream or one that depends on it, ``pump`` from
+    the compute's enqueue loop) or on the event loop's next turn, whichever is
+    first (``None``: every layer at submit). Enqueueing 32 layers costs the CPU
+    ~0.5-1.2 ms; done up front it delays the step that overlaps the load by
+    that much while the GPU has the first layers long landed (measured: the
+    step's late start, not any wait on a layer, was what cost the overlap).
+    Deferred layers are paced by the host, which the simulator does not model;
+    ops of models with at most ``eager_layers`` layers are not deferred at all.
+    Only while an event loop runs; otherwise every layer is enqueued at submit.
     """
 
     def __init__(
@@ -264,10 +267,12 @@ class CudaBackend:
         stream_priority: int | None = None,
         dma: str = "auto",
         dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
-        defer_tail: bool = True,
+        eager_layers: int | None = 4,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
+        if eager_layers is not None:
+            sizes += (("eager_layers", eager_layers),)
         for name, v in sizes:
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"CudaBackend {name} must be a positive integer, got {v!r}")
@@ -287,7 +292,7 @@ class CudaBackend:
         #: Give every task a ``start_event`` and an ``end_event`` (replays time each op's
         #: service with them).
         self.record_starts = False
-        self.defer_tail = defer_tail
+        self.eager_layers = self.num_layers if eager_layers is None else eager_layers
         #: Per copy stream, the one task with layers still to enqueue (only the
         #: stream's latest op can have any: a new op first enqueues the rest).
         self._tails: dict[int, CudaTask] = {}
@@ -363,10 +368,10 @@ class CudaBackend:
         # Same-stream predecessors are already ordered; finished ones are past.
         task.deps = [h for h in after if isinstance(h, CudaTask) and h.started
                      and not h.finished and h.stream is not stream]
-        if not self.defer_tail or not _loop_running(loop):
+        if self.eager_layers >= self.num_layers or not _loop_running(loop):
             self._enqueue_layers(task, self.num_layers - 1)
             return task
-        self._enqueue_layers(task, 0)
+        self._enqueue_layers(task, self.eager_layers - 1)
         if task.next_layer < self.num_layers:
             self._tails[id(stream)] = task
             if not self._flush_scheduled:

@@ -278,7 +278,7 @@ class GpuExecutor(PagedExecutorBase):
             self._gemm(x, w["wqkv"], qkv, T, s.qkv_dim, s.hidden, 0)
             for t in pending:  # layer i of every load this step reads (or overwrites) lands first
                 self.backend.wait_layer(stream, t.handle, layer)
-            self.backend.pump()  # other ops' deferred layers keep pace (``defer_tail``)
+            self.backend.pump()  # other ops' deferred layers keep pace (``eager_layers``)
             fn["kvflow_kv_write"]((T,), (128,), (qkv, *common, i32(s.q_dim), i32(s.kv_dim),
                                                  meta("slots"), kc, vc), stream=stream)
             attn = (qkv, *common, kc, vc, stride, i32(s.block_tokens), i32(s.kv_heads),

@@ -451,12 +451,12 @@ def test_no_cuda_object_dies_on_the_driver_thread(monkeypatch: pytest.MonkeyPatc
 
 # ---------------------------------------------------------------- deferred layers
 def test_deferred_layers_enqueue_on_demand_in_stream_order() -> None:
-    """``defer_tail``: the first layer at submit, later ones when waited on, pumped, or the
-    stream's next op arrives (which must still run after them), the rest on the next turn."""
+    """``eager_layers``: those at submit, later ones when waited on, pumped, or the stream's
+    next op arrives (which must still run after them), the rest on the next turn."""
     spec = SPECS["mha-bf16"]
     L = spec.num_layers
     rng = np.random.default_rng(5)
-    backend = CudaBackend(spec, 64, 64)
+    backend = CudaBackend(spec, 64, 64, eager_layers=1)
     fill_random(backend, rng)
     compute = cp.cuda.Stream(non_blocking=True)
     dev = rng.permutation(64)[:12].tolist()
@@ -490,12 +490,13 @@ def test_deferred_layers_enqueue_on_demand_in_stream_order() -> None:
                                       host0[layer][c])
         np.testing.assert_array_equal(backend.host_kv(layer, "k")[b], host0[layer][c])
 
-    eager = CudaBackend(spec, 64, 64, defer_tail=False)
+    for eager in (CudaBackend(spec, 64, 64, eager_layers=None),
+                  CudaBackend(spec, 64, 64, eager_layers=L)):  # the default for L <= 4 layers
 
-    async def eager_submit() -> None:
-        sink = FutureSink(L)
-        task = eager.submit(op(OpKind.SWAP_IN, a, dev), sink, ())
-        assert task.next_layer == L
-        await sink.wait()
+        async def eager_submit(backend: CudaBackend = eager) -> None:
+            sink = FutureSink(L)
+            task = backend.submit(op(OpKind.SWAP_IN, a, dev), sink, ())
+            assert task.next_layer == L
+            await sink.wait()
 
-    run(eager_submit)
+        run(eager_submit)
