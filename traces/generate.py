@@ -95,10 +95,13 @@ class _Builder:
     """Collects prompts as segment lists, then emits Requests sorted by arrival.
 
     Ids are chained only at the end, in arrival order, so they grow through the
-    trace like Mooncake's.
+    trace like Mooncake's. ``rng`` is the generator's one seeded stream (arrivals,
+    order, think and tool times), drawn in the generator's order; segment tokens
+    come from streams of their own, so they do not depend on that order.
     """
 
     def __init__(self, block_tokens: int, seed: int, with_tokens: bool, vocab_size: int) -> None:
+        self.rng = np.random.default_rng(seed)
         self.block_tokens = _int("block_tokens", block_tokens, 1)
         self.seed = seed
         self.with_tokens = with_tokens
@@ -106,6 +109,10 @@ class _Builder:
         self._next_seg = 0
         self._pending: list[tuple[float, int, tuple[Segment, ...], int, str | None]] = []
         self._tokens: dict[int, np.ndarray] = {}
+
+    def arrivals(self, n: int, rate: float, process: str, cv: float) -> np.ndarray:
+        """``n`` start times from ``rng``: see :func:`arrival_times`."""
+        return arrival_times(n, rate, process=process, cv=cv, rng=self.rng)
 
     def segment(self, length: int) -> Segment:
         """A fresh piece of content, shared with nothing unless reused on purpose."""
@@ -171,12 +178,11 @@ def shared_prefix(
     s = _int("system_len", system_len, 0)
     q = _int("question_len", question_len, 0)
     o = _int("output_len", output_len, 0)
-    rng = np.random.default_rng(seed)
     b = _Builder(block_tokens, seed, with_tokens, vocab_size)
     systems = [b.segment(s) for _ in range(g)]
     prompts = [(gi, b.segment(q)) for gi in range(g) for _ in range(p)]
-    order = rng.permutation(len(prompts))
-    times = arrival_times(len(prompts), rate, process=arrival, cv=cv, rng=rng)
+    order = b.rng.permutation(len(prompts))
+    times = b.arrivals(len(prompts), rate, arrival, cv)
     for t, k in zip(times, order, strict=True):
         gi, question = prompts[k]
         b.add(t, [systems[gi], question], o, None)
@@ -233,13 +239,12 @@ def multi_turn(
     u = _int("user_len", user_len, 0)
     o = _int("output_len", output_len, 0)
     think = _pos("think_time_s", think_time_s, allow_zero=True)
-    rng = np.random.default_rng(seed)
     b = _Builder(block_tokens, seed, with_tokens, vocab_size)
-    starts = arrival_times(n, rate, process=arrival, cv=cv, rng=rng)
+    starts = b.arrivals(n, rate, arrival, cv)
     common = b.segment(s)
     for i, t0 in enumerate(starts):
         history = [common if shared_system else b.segment(s)]
-        gaps = rng.exponential(think, k - 1) if think > 0 else np.zeros(k - 1)
+        gaps = b.rng.exponential(think, k - 1) if think > 0 else np.zeros(k - 1)
         t = float(t0)
         for turn in range(k):
             if turn:
@@ -290,13 +295,12 @@ def agentic(
     nb = _int("branches", branches, 0)
     bk = _int("branch_steps", branch_steps, 0 if nb == 0 else 1)
     latency = _pos("tool_time_s", tool_time_s, allow_zero=True)
-    rng = np.random.default_rng(seed)
     b = _Builder(block_tokens, seed, with_tokens, vocab_size)
-    starts = arrival_times(n, rate, process=arrival, cv=cv, rng=rng)
+    starts = b.arrivals(n, rate, arrival, cv)
     common = b.segment(c)
 
     def lat() -> float:
-        return float(rng.exponential(latency)) if latency > 0 else 0.0
+        return float(b.rng.exponential(latency)) if latency > 0 else 0.0
 
     def run(
         history: list[Segment], t: float, count: int, session: str
