@@ -2,52 +2,29 @@
 
 from __future__ import annotations
 
-import base64
 import json
 import re
-from io import StringIO
 from pathlib import Path
 
 import pytest
 import typer
-from rich.console import Console
-from test_report_helpers import make_report
-from typer.testing import CliRunner
+from cli_helpers import AppCli
+from test_report_helpers import FULL_PLOTS, embedded_pngs, make_report, rendered
 
 from sim import report as R
 from sim.report_cli import register
 
 app = typer.Typer(pretty_exceptions_enable=False)
 register(app)
-runner = CliRunner()
+cli = AppCli(app, columns=160)
+run, user_error = cli.run, cli.user_error
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def run(*args: str | Path) -> tuple[int, str, str]:
-    res = runner.invoke(app, list(map(str, args)), env={"COLUMNS": "160"})
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    return res.exit_code, res.stdout, res.stderr
-
-
-def user_error(*args: str | Path) -> str:
-    code, out, err = run(*args)
-    assert code == 2, (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def write(tmp_path: Path, report: dict, name: str = "run.json") -> Path:
     p = tmp_path / name
     p.write_text(json.dumps(report))
     return p
-
-
-def rendered(report: dict) -> str:
-    buf = StringIO()
-    R.print_report(report, Console(file=buf, width=160, color_system=None), "run.json")
-    return buf.getvalue()
 
 
 # -- formatting and tables --------------------------------------------------------------
@@ -85,7 +62,7 @@ def test_formatting() -> None:
 
 def test_tables_contain_the_numbers_of_the_json() -> None:
     report = make_report()
-    text = rendered(report)
+    text = rendered(report, "run.json")
     # by hand, from the fixture's known values
     for words in (
         "20.0%",
@@ -118,12 +95,13 @@ def test_tables_contain_the_numbers_of_the_json() -> None:
 def test_unknown_counters_are_shown_not_hidden() -> None:
     report = make_report()
     report["prefetch"]["timed_out"] = 4321
-    assert "prefetch timed out" in rendered(report) and "4,321" in rendered(report)
+    text = rendered(report, "run.json")
+    assert "prefetch timed out" in text and "4,321" in text
 
 
 def test_cache_mode_report_says_no_timing() -> None:
     report = make_report(mode="cache")
-    text = rendered(report)
+    text = rendered(report, "run.json")
     assert "not simulated in cache mode" in text
     assert "26.0%" in text and "truncated" in text
     assert "TTFT" not in text
@@ -145,14 +123,7 @@ def test_flatten_and_get_path() -> None:
 
 def test_plots_full_and_cache() -> None:
     plots = R.make_plots(make_report())
-    assert list(plots) == [
-        "hit_rate_tiers",
-        "ttft_cdf",
-        "tpot_cdf",
-        "hit_rate",
-        "link_util",
-        "queue",
-    ]
+    assert list(plots) == list(FULL_PLOTS)
     for png in plots.values():
         assert png.startswith(PNG_MAGIC) and 5_000 < len(png) < 200_000
     assert list(R.make_plots(make_report(mode="cache"))) == ["hit_rate_tiers"]
@@ -162,8 +133,7 @@ def test_html_is_self_contained() -> None:
     report = make_report()
     plots = R.make_plots(report)
     page = R.render_html(report, plots, source="run.json")
-    imgs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert [base64.b64decode(i) for i in imgs] == list(plots.values())
+    assert embedded_pngs(page) == list(plots.values())
     assert not re.search(r"(src|href)=\"(?!data:)", page)  # nothing fetched from anywhere
     assert "<script" not in page and "http://" not in page and "https://" not in page
     for words in ("26.0%", "1.25 TB", R.fmt_secs(report["ttft_s"]["p50"]), "lru"):
@@ -185,17 +155,7 @@ def test_report_cli_tables_pngs_and_html(tmp_path: Path) -> None:
     code, stdout, _ = run("report", src, "--png", out, "--html", page)
     assert code == 0
     assert "26.0%" in stdout and R.fmt_secs(report["ttft_s"]["p50"]) in stdout
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{n}.png"
-        for n in (
-            "hit_rate_tiers",
-            "ttft_cdf",
-            "tpot_cdf",
-            "hit_rate",
-            "link_util",
-            "queue",
-        )
-    )
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.png" for n in FULL_PLOTS)
     html = page.read_text()
     assert html.count("data:image/png;base64,") == 6
     assert f"wrote 6 plot(s) to {out}" in stdout and f"wrote {page}" in stdout

@@ -4,17 +4,43 @@ The numbers hang together the way a replay's do: percentiles are computed from
 the samples, the total hit rate is the sum of the tiers', bytes follow the hits,
 time series cover the simulated time. Shared by the report, compare and sweep
 tests (``from test_report_helpers import make_report``); it holds no tests itself.
+It also holds what the tests of the views on synthetic and on real replays
+expect alike (:data:`FULL_PLOTS`) and read alike (:func:`rendered`,
+:func:`embedded_pngs`), so that both check the same thing.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 import os
 import random
+import re
 from dataclasses import dataclass
+from io import StringIO
 from typing import Any
 
+from rich.console import Console
+
 from kvflow.errors import ConfigError
+from sim import report as R
+
+#: The plots of a full-mode report, in the order the views show them (written out
+#: here, not taken from ``sim.report``, so that a plot lost or reordered there fails).
+FULL_PLOTS = ("hit_rate_tiers", "ttft_cdf", "tpot_cdf", "hit_rate", "link_util", "queue")
+
+
+def rendered(report: dict[str, Any], source: str | None = None) -> str:
+    """The report's tables as ``kvflow report`` prints them, 160 columns, no colour."""
+    buf = StringIO()
+    R.print_report(report, Console(file=buf, width=160, color_system=None), source)
+    return buf.getvalue()
+
+
+def embedded_pngs(page: str) -> list[bytes]:
+    """The PNGs an HTML report embeds as ``data:`` images, decoded, in page order."""
+    imgs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    return [base64.b64decode(i) for i in imgs]
 
 
 def _pcts(xs: list[float]) -> dict[str, float]:

@@ -3,17 +3,14 @@ compared and swept through the real ``ReplayConfig``, locally and on a Dask Loca
 
 from __future__ import annotations
 
-import base64
 import csv
 import io
 import json
-import re
-from io import StringIO
 from pathlib import Path
 
 import pytest
-from rich.console import Console
-from typer.testing import CliRunner
+from cli_helpers import AppCli
+from test_report_helpers import FULL_PLOTS, embedded_pngs, rendered
 
 from cli import app
 from sim import report as R
@@ -21,7 +18,7 @@ from sim import sweep as S
 from sim.compare import compare_reports
 from sim.replay import ReplayConfig, run_replay
 
-runner = CliRunner()
+cli = AppCli(app, columns=160).run
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +29,6 @@ def cache_report() -> dict:
 @pytest.fixture(scope="module")
 def full_report() -> dict:
     return run_replay(ReplayConfig(limit=30, sample_interval_s=2.0))
-
-
-def rendered(report: dict) -> str:
-    buf = StringIO()
-    R.print_report(report, Console(file=buf, width=160, color_system=None))
-    return buf.getvalue()
-
-
-def cli(*args: str | Path) -> tuple[int, str, str]:
-    res = runner.invoke(app, list(map(str, args)), env={"COLUMNS": "160"})
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    return res.exit_code, res.stdout, res.stderr
 
 
 def every_metric_shown(report: dict, text: str) -> None:
@@ -71,17 +55,9 @@ def test_full_mode_replay_renders(full_report: dict) -> None:
     every_metric_shown(full_report, text)
     assert R.fmt_secs(full_report["ttft_s"]["p50"]) in text
     plots = R.make_plots(full_report)
-    assert list(plots) == [
-        "hit_rate_tiers",
-        "ttft_cdf",
-        "tpot_cdf",
-        "hit_rate",
-        "link_util",
-        "queue",
-    ]
+    assert list(plots) == list(FULL_PLOTS)
     page = R.render_html(full_report, plots)
-    imgs = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
-    assert [base64.b64decode(i) for i in imgs] == list(plots.values())
+    assert embedded_pngs(page) == list(plots.values())
     cmp = compare_reports(full_report, full_report)
     assert all(r.delta in (0, None) for r in cmp.rows if r.metric.key != "wall_s")
 

@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import typer
+from cli_helpers import AppCli
 from test_report_helpers import FakeConfig, fake_run
-from typer.testing import CliRunner
 
 import sim.report_cli as report_cli
 from traces import sample_path
 
 app = typer.Typer(pretty_exceptions_enable=False)
 report_cli.register(app)
-runner = CliRunner()
+cli = AppCli(app, columns=160)
+run, user_error = cli.run, cli.user_error
 GRID = ["-p", "host_blocks=0,1000,4000", "-p", "eviction=lru,s3fifo"]
 
 
@@ -28,21 +29,6 @@ GRID = ["-p", "host_blocks=0,1000,4000", "-p", "eviction=lru,s3fifo"]
 def fake_replay(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(report_cli, "_replay_api", lambda: (FakeConfig, fake_run))
     monkeypatch.chdir(tmp_path)  # the default output directory is ./sweep
-
-
-def run(*args: str | Path) -> tuple[int, str, str]:
-    res = runner.invoke(app, list(map(str, args)), env={"COLUMNS": "160"})
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    return res.exit_code, res.stdout, res.stderr
-
-
-def user_error(*args: str | Path) -> str:
-    code, out, err = run(*args)
-    assert code == 2, (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def test_sweep_writes_csv_json_and_plots(tmp_path: Path) -> None:

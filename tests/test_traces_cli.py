@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from typer.testing import CliRunner
+from cli_helpers import AppCli
 
 from traces import open_trace, sample_path
 from traces.cli import trace_app
@@ -20,23 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 app = typer.Typer(pretty_exceptions_enable=False)
 app.add_typer(trace_app, name="trace")
-runner = CliRunner()
-
-
-def run(*args: str | Path) -> tuple[int, str, str]:
-    res = runner.invoke(app, ["trace", *map(str, args)])
-    if res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    return res.exit_code, res.stdout, res.stderr
-
-
-def user_error(*args: str | Path) -> str:
-    code, out, err = run(*args)
-    assert code == 2, (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[0]
+cli = AppCli(app, "trace")
+run, user_error = cli.run, cli.user_error
 
 
 def test_stats_table() -> None:
