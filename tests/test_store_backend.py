@@ -204,6 +204,96 @@ async def test_past_the_deadline_done_waits_for_the_late_call(kind: str) -> None
     assert be.stats.timeouts == 1
 
 
+class FailingStore(MemoryStore):
+    """Raises ``OSError`` (a full disk, a refused connection) from the calls named in ``fail``."""
+
+    def __init__(self, *fail: str) -> None:
+        super().__init__(NS)
+        self.fail = set(fail)
+
+    def _check(self, call: str) -> None:
+        if call in self.fail:
+            raise OSError(f"{call}: no space left on device")
+
+    def get_many_into(self, keys: Any, buffers: Any) -> list[bool]:
+        self._check("get_many_into")
+        return super().get_many_into(keys, buffers)
+
+    def put_many(self, items: Any) -> list[bool]:
+        self._check("put_many")
+        return super().put_many(items)
+
+    def contains_many(self, keys: Any) -> list[bool]:
+        self._check("contains_many")
+        return super().contains_many(keys)
+
+
+@pytest.mark.asyncio
+async def test_a_store_error_fails_reads_and_puts_but_a_failed_probe_writes_all() -> None:
+    host = HostArrays(2, L, LB)
+    fill(host, 0, 5)
+    store = FailingStore("get_many_into", "contains_many")
+    be = StoreBackend(store, host, L)
+    s = Sink()
+    be.submit(op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0], [1], [5]), s, [])
+    await s.finished
+    assert isinstance(s.error, TransferError) and not isinstance(s.error, StoreMissError)
+    assert "no space left" in str(s.error) and s.layers == []
+    assert (be.stats.errors, be.stats.failed) == (1, 1)
+    # the probe failing is no failure: the write goes ahead with every block
+    s = Sink()
+    be.submit(op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [0], [0], [5]), s, [])
+    await s.finished
+    assert s.error is None and s.layers == list(range(L))
+    assert MemoryStore.contains_many(store, [5]) == [True]
+    assert (be.stats.errors, be.stats.blocks_written, be.stats.write_skipped) == (1, 1, 0)
+    # a put failing is: counted once, however the probe went
+    store.fail = {"contains_many", "put_many"}
+    s = Sink()
+    be.submit(op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [0], [0], [6]), s, [])
+    await s.finished
+    assert isinstance(s.error, TransferError) and "no space left" in str(s.error)
+    assert (be.stats.errors, be.stats.failed, be.stats.blocks_written) == (2, 2, 1)
+    be.close()
+
+
+@pytest.mark.asyncio
+async def test_a_closed_store_fails_the_op() -> None:
+    host = HostArrays(2, L, LB)
+    astore = AsyncStore(MemoryStore(NS))
+    astore.close()
+    be = StoreBackend(astore, host, L)
+    for o in (op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0], [1], [5]),
+              op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [0], [0], [5])):
+        s = Sink()
+        be.submit(o, s, [])
+        await s.finished
+        assert isinstance(s.error, TransferError) and "closed" in str(s.error)
+    # the write's probe failed too, uncounted; its put counted
+    assert (be.stats.errors, be.stats.failed, be.stats.timeouts) == (2, 2, 0)
+
+
+@pytest.mark.asyncio
+async def test_a_probe_past_the_deadline_fails_the_write_once_the_late_call_ends() -> None:
+    host = HostArrays(2, L, LB)
+
+    class SlowProbe(SlowStore):
+        def contains_many(self, keys: Any) -> list[bool]:
+            return self._slow(super().contains_many, keys)
+
+    store = SlowProbe(0.3)
+    be = StoreBackend(AsyncStore(store), host, L, write_timeout_s=0.05)
+    s = Sink()
+    t0 = time.monotonic()
+    be.submit(op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [1], [0], [8]), s, [])
+    await s.finished
+    assert isinstance(s.error, StoreDeadlineError)
+    assert store.running == 0 and time.monotonic() - t0 >= 0.25
+    assert (be.stats.timeouts, be.stats.errors, be.stats.blocks_written) == (1, 0, 0)
+    assert MemoryStore.contains_many(store, [8]) == [False]  # no put after the probe timed out
+    be.close()
+
+
 @pytest.mark.asyncio
 async def test_cancel_before_start_is_immediate_and_running_ends_with_the_call() -> None:
     host = HostArrays(4, L, LB)
