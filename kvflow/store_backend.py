@@ -46,9 +46,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -61,6 +61,7 @@ from kvflow.stores.base import BlockStore, StoreClosedError
 
 _READ = (Tier.STORAGE, Tier.HOST)
 _WRITE = (Tier.HOST, Tier.STORAGE)
+_T = TypeVar("_T")
 
 
 def store_key(key: Hashable) -> int | bytes | str:
@@ -336,16 +337,10 @@ class StoreBackend:
                 staged.append((b, view))
             bufs.append(view)
         errors_before = self.store.store.stats.errors
-        try:
-            got = await self.store.get_many_into(keys, bufs, timeout_s=self._left(deadline))
-        except StoreDeadlineError as exc:
-            # The late read may still be writing the host blocks: done only after it.
-            self.stats.timeouts += 1
-            await exc.settled
-            return exc
-        except (TransferError, StoreClosedError) as exc:
-            self.stats.errors += 1
-            return self._wrap(op, exc)
+        got = await self._store_call(
+            op, self.store.get_many_into(keys, bufs, timeout_s=self._left(deadline)))
+        if isinstance(got, BaseException):
+            return got
         missing = [k for k, ok in zip(op.keys, got, strict=True) if not ok]
         if missing:
             self.stats.read_misses += len(missing)
@@ -365,14 +360,11 @@ class StoreBackend:
         keys = [self.key_fn(k) for k in op.keys]
         todo = list(range(op.num_blocks))
         if self.skip_stored:
-            try:
-                held = await self.store.contains_many(keys, timeout_s=self._left(deadline))
-            except StoreDeadlineError as exc:
-                self.stats.timeouts += 1
-                await exc.settled
-                return exc
-            except (TransferError, StoreClosedError):
-                held = [False] * len(keys)  # unknown: write them all; the put will tell
+            held = await self._store_call(
+                op, self.store.contains_many(keys, timeout_s=self._left(deadline)),
+                unknown=[False] * len(keys))  # write them all; the put will tell
+            if isinstance(held, BaseException):
+                return held
             todo = [i for i, h in enumerate(held) if not h]
             self.stats.write_skipped += op.num_blocks - len(todo)
         if not todo:
@@ -384,16 +376,10 @@ class StoreBackend:
                 view = np.empty(self.host.bytes_per_block, dtype=np.uint8)
                 self.host.gather(op.src_ids[i], view)
             items.append((keys[i], view))
-        try:
-            stored = await self.store.put_many(items, timeout_s=self._left(deadline))
-        except StoreDeadlineError as exc:
-            # The late put may still be reading the host blocks: done only after it.
-            self.stats.timeouts += 1
-            await exc.settled
-            return exc
-        except (TransferError, StoreClosedError) as exc:
-            self.stats.errors += 1
-            return self._wrap(op, exc)
+        stored = await self._store_call(
+            op, self.store.put_many(items, timeout_s=self._left(deadline)))
+        if isinstance(stored, BaseException):
+            return stored
         failed = [op.keys[i] for i, ok in zip(todo, stored, strict=True) if not ok]
         if failed:
             self.stats.put_failed += len(failed)
@@ -403,6 +389,29 @@ class StoreBackend:
                 f"stored ({last or 'no room or store down'}): {_some(failed)}")
         self.stats.blocks_written += len(todo)
         return None
+
+    async def _store_call(
+        self, op: TransferOp, call: Awaitable[_T], unknown: _T | None = None
+    ) -> _T | BaseException:
+        """Await one store call of ``op``: its answer, or the error that ends the op.
+
+        Past the deadline the late call may still be writing the host blocks (a
+        read) or reading them (a write), so the op's error comes back only once
+        the call has settled. A store error (raised, or a closed store) fails
+        the op, counted in ``stats.errors`` — unless the call only asked a
+        question: then ``unknown`` is the answer to go on with, uncounted.
+        """
+        try:
+            return await call
+        except StoreDeadlineError as exc:
+            self.stats.timeouts += 1
+            await exc.settled
+            return exc
+        except (TransferError, StoreClosedError) as exc:
+            if unknown is not None:
+                return unknown
+            self.stats.errors += 1
+            return self._wrap(op, exc)
 
     def _task_ended(self, h: StoreOpHandle) -> None:
         """A task cancelled before its first step never runs ``_run``: finish it here."""
