@@ -9,7 +9,7 @@ it is told to follow, and reports each layer as it lands.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from kvflow.manager import TransferOp
 
@@ -46,3 +46,30 @@ class TransferBackend(Protocol):
     def cancel(self, handle: object) -> None:
         """Stop an op if it has not finished; its sink then gets ``done(error)``."""
         ...
+
+
+class _Handle(Protocol):
+    finished: bool
+
+
+H = TypeVar("H", bound=_Handle)
+
+
+def pending_after(
+    op: TransferOp, after: Sequence[object], handle_type: type[H], backend: str
+) -> list[H]:
+    """The handles in ``op``'s ``after`` that have not finished yet, for ``op`` to wait on.
+
+    A backend can wait only on its own ops: a handle of another kind means ops of
+    several backends were submitted past ``RoutedBackend``, the one place that
+    orders them across backends. That is refused here, naming the op, rather
+    than left to hang or race.
+    """
+    pending: list[H] = []
+    for d in after:
+        if not isinstance(d, handle_type):
+            raise TypeError(f"op {op.op_id}: 'after' holds {d!r}, not a {backend} handle "
+                            "(route mixed backends through RoutedBackend)")
+        if not d.finished:
+            pending.append(d)
+    return pending

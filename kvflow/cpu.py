@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvflow.backend import pending_after
 from kvflow.errors import ConfigError, InvalidBlockId, TransferError
 from kvflow.host_memory import HostArrays
 from kvflow.manager import TransferOp
@@ -119,13 +120,7 @@ class HostCopyBackend:
             raise TransferError(
                 f"HostCopyBackend moves blocks between device and host only; op {op.op_id} "
                 f"({op.kind.value}) goes {pair[0].name.lower()} -> {pair[1].name.lower()}")
-        deps = []
-        for d in after:
-            if not isinstance(d, CopyHandle):
-                raise TypeError(f"op {op.op_id}: 'after' holds {d!r}, not a HostCopyBackend "
-                                "handle (route mixed backends through RoutedBackend)")
-            if not d.finished:
-                deps.append(d)
+        deps = pending_after(op, after, CopyHandle, "HostCopyBackend")
         loop = asyncio.get_running_loop()
         h = CopyHandle(op, sink)
         self._ops.add(h)

@@ -52,6 +52,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvflow.backend import pending_after
 from kvflow.errors import BlocksLost, ConfigError, TransferError
 from kvflow.host_memory import HostMemory
 from kvflow.manager import TransferOp
@@ -250,13 +251,7 @@ class StoreBackend:
                 f"({op.kind.value}) goes {pair[0].name.lower()} -> {pair[1].name.lower()}"
                 + (": storage <-> device needs a host tier to stage through (give the cache "
                    "host blocks)" if Tier.DEVICE in pair else ""))
-        deps = []
-        for d in after:
-            if not isinstance(d, StoreOpHandle):
-                raise TypeError(f"op {op.op_id}: 'after' holds {d!r}, not a StoreBackend handle "
-                                "(route mixed backends through RoutedBackend)")
-            if not d.finished:
-                deps.append(d)
+        deps = pending_after(op, after, StoreOpHandle, "StoreBackend")
         loop = self._event_loop()
         h = StoreOpHandle(op, sink)
         self._ops.add(h)

@@ -436,6 +436,38 @@ async def test_host_copy_backend_rejects_bad_ids_on_the_loop() -> None:
     assert "out of range" in str(s.error)
 
 
+@pytest.mark.asyncio
+async def test_after_holds_only_the_backends_own_handles_and_finished_ones_are_skipped() -> None:
+    host = HostArrays(4, L, LB)
+    copies = HostCopyBackend(host, 4)
+    storage = StoreBackend(MemoryStore(NS), host, L)
+    fill(host, 0, 3)
+    w, c = Sink(), Sink()
+    hw = storage.submit(op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [0], [0], [3]), w, [])
+    hc = copies.submit(op(OpKind.SWAP_IN, Tier.HOST, Tier.DEVICE, [0], [0], [3]), c, [])
+    await asyncio.gather(w.finished, c.finished)
+    backup = op(OpKind.BACKUP, Tier.DEVICE, Tier.HOST, [0], [1], [3])
+    prefetch = op(OpKind.PREFETCH, Tier.STORAGE, Tier.HOST, [0], [2], [3])
+    cases: list[tuple[Any, str, Any, Any, TransferOp]] = [
+        (copies, "HostCopyBackend", hc, hw, backup),
+        (storage, "StoreBackend", hw, hc, prefetch),
+    ]
+    for be, name, own, other, o in cases:
+        with pytest.raises(TypeError) as info:
+            be.submit(o, Sink(), [other])
+        assert str(info.value) == (
+            f"op {o.op_id}: 'after' holds {other!r}, not a {name} handle "
+            "(route mixed backends through RoutedBackend)")
+        # its own finished handle is no reason to wait
+        s = Sink()
+        be.submit(o, s, [own])
+        await s.finished
+        assert s.error is None and s.layers == [0, 1, 2]
+    assert np.array_equal(host.array[1], host.array[0])
+    assert np.array_equal(host.array[2], host.array[0])
+    storage.close()
+
+
 # -------------------------------------------------------------------------- the executor
 class _Plan:
     def __init__(self, keys: list[int], device_ids: list[int], cached: int) -> None:
