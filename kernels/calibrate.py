@@ -677,19 +677,25 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     return {"points": points, "gemm": gemm, "attention_flops": att}
 
 
+#: Prompt sizes (blocks) of the links replay: the engine's common small ops three times
+#: each (one op of a size is often a stall, and their per-op cost is what small
+#: swap-ins and backups pay), a few large ones for the bandwidth.
+REPLAY_LINK_SIZES = (1, 2, 3, 4, 5, 6) * 3 + (8, 10, 12, 16)
+
+
 def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] | None = None,
                          backend_options: dict[str, Any] | None = None,
-                         requests: int = 16) -> dict[str, Any]:
+                         sizes: Sequence[int] = REPLAY_LINK_SIZES) -> dict[str, Any]:
     """The link model fitted to the transfers of a small GPU replay, as replays see them.
 
     Isolated ops (``measure_backend_links``) miss what a replay adds around a
     transfer: the other direction busy, compute and host work in between,
     small ops. So a replay through ``kvflow replay --backend cuda``'s harness:
-    a first wave of prompts of 1..``requests`` blocks (finishing ones back up
-    to host: device -> host ops of every size), then the same prompts, one
-    block longer, arriving one every 40 ms into a device pool too small to
-    have kept them: each loads its prefix back from host (host -> device ops
-    of every size) while the others compute. ``fit_link`` on each direction's
+    a first wave of prompts of ``sizes`` blocks (finishing ones back up to
+    host: device -> host ops of each size), then the same prompts, one block
+    longer, arriving one every 40 ms into a device pool too small to have
+    kept them: each loads its prefix back from host (host -> device ops of
+    each size) while the others compute. ``fit_link`` on each direction's
     (bytes, service time) gives ``latency_s`` and ``bandwidth_Bps``.
     """
     import tempfile
@@ -702,13 +708,13 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
     bt = spec.block_tokens
     first = 1 << 41
     reqs, prefixes = [], []
-    for i in range(requests):
-        k = 1 + i % requests
+    requests = len(sizes)
+    for i, k in enumerate(sizes):
         ids = tuple(range(first, first + k + 1))
         first += k + 1
         prefixes.append(ids)
         reqs.append(Request(i, 0.0, k * bt, 4, ids[:k]))
-    wave2 = 3.0  # s: the first wave (~70k prompt tokens) is done by then
+    wave2 = 3.0  # s: the first wave (~56k prompt tokens) is done by then
     for i, ids in enumerate(prefixes):
         reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, 4, ids))
     blocks = sum(-(-(len(ids) * bt + 4) // bt) for ids in prefixes)
@@ -719,7 +725,7 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         # A device pool for about two of the largest requests: the first wave
         # leaves little on the device, so the second loads almost all from host.
         cfg = ReplayConfig(trace=str(trace), model=spec.name,
-                           device_blocks=2 * (requests + 2) + 4, host_blocks=2 * blocks,
+                           device_blocks=2 * (max(sizes) + 2) + 4, host_blocks=2 * blocks,
                            storage_blocks=0, backend="cuda")
         run_gpu_replay(cfg, backend_options=backend_options or {}, op_log=ops)
     out: dict[str, Any] = {"ops": len(ops)}
