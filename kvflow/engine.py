@@ -149,6 +149,8 @@ class Engine:
         self.stats = EngineStats()
         self._wake = asyncio.Event()
         self._closed = False
+        # Wakes the loop when a transfer lands while the head of the queue waits for one.
+        self._room_waiter: asyncio.Task[None] | None = None
         self.on_finish: Callable[[RequestState], None] | None = None
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
@@ -254,7 +256,10 @@ class Engine:
                     return  # head of line waits for blocks to come free
                 if self._drop_reservations():
                     continue  # they pinned blocks through closure: try again
-                # Nothing runs and nothing is held for anyone else: it never fits.
+                if self._retry_when_a_transfer_lands():
+                    return  # copies in flight hold blocks that are evictable once landed
+                # Nothing runs, nothing is in flight, nothing is held for anyone else:
+                # it never fits.
                 self.waiting.popleft()
                 st.error = "does not fit on the device even with every other block evicted"
                 self.stats.rejected += 1
@@ -309,6 +314,33 @@ class Engine:
                 self.manager.release(st.reservation)
                 st.reservation = None
         return held
+
+    def _retry_when_a_transfer_lands(self) -> bool:
+        """Plan the head of the queue again once some transfer in flight has ended;
+        False if none is in flight.
+
+        A block whose copy is still being filled (a write_back copy-out to host,
+        a backup, a prefetch) cannot be evicted until it lands, and through prefix
+        closure it can pin more: a device parent whose only child lives on host
+        stays until that child's host copy is ready to be dropped or there is
+        host room to copy the parent down too. So with nothing running, a head
+        that does not fit *now* may fit once those copies land — including the
+        copy-outs its own failed plan just started. Each retry either fits or
+        moves more blocks down, so waiting ends; refusing it at once would turn
+        a transient shortage into a spurious "does not fit" error.
+        """
+        waiter = self._room_waiter
+        if waiter is not None and not waiter.done():
+            return True
+        pending = [t.wait() for t in self.runtime.tasks.values() if not t.finished]
+        if not pending:
+            return False
+        self._room_waiter = self.loop.create_task(self._wake_on_first(pending))
+        return True
+
+    async def _wake_on_first(self, pending: list[asyncio.Future[None]]) -> None:
+        await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        self._wake.set()
 
     def _take_detached(self) -> list:
         ops = self.manager.detached_ops[:]

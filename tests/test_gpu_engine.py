@@ -12,6 +12,7 @@ reference, and that compute waits for a load on the GPU while the CPU moves on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -285,12 +286,16 @@ def waves(block_tokens: int = BT, sessions: int = 6, turns: int = 4, system_len:
 async def run_waves(make_backend: Callable[[Capacities], Any],
                     make_executor: Callable[[Any], Any], caps: Capacities, write_policy: str,
                     trace: list[list[EngineRequest]], bytes_per_block: int,
-                    max_batch_tokens: int = 48) -> tuple[Any, CacheManager, Engine, Runtime]:
+                    max_batch_tokens: int = 48, deadline_s: float = 120.0,
+                    ) -> tuple[Any, CacheManager, Engine, Runtime]:
     """Run ``trace`` wave by wave through a fresh engine.
 
-    Returns (executor, manager, engine, runtime).
+    Returns (executor, manager, engine, runtime). A wave not done within
+    ``deadline_s`` (wall seconds for the whole trace) fails the run: a stalled
+    engine must fail a test, not hang it.
     """
     loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     manager = CacheManager(caps, write_policy=write_policy)
     backend = make_backend(caps)
     runtime = Runtime(manager, backend, bytes_per_block, loop)
@@ -306,25 +311,46 @@ async def run_waves(make_backend: Callable[[Capacities], Any],
         while len(engine.done) < total:
             if run.done():
                 run.result()  # raises what killed the engine
+            if loop.time() > deadline:
+                run.cancel()
+                raise AssertionError(
+                    f"engine stalled: {len(engine.done)}/{total} done, running="
+                    f"{len(engine.running)}, waiting={len(engine.waiting)}, "
+                    f"in flight={len(runtime.tasks)}")
             await asyncio.sleep(0.0005)
     engine.close()
     await run
     manager.check_invariants()
-    assert all(st.error is None for st in engine.done)
+    assert [(st.req.request_id, st.error) for st in engine.done if st.error] == []
     return executor, manager, engine, runtime
 
 
 def _numpy_run(caps: Capacities, write_policy: str, fail: Callable[[Any], bool] | None = None,
+               deadline_s: float = 120.0,
                ) -> tuple[NumpyExecutor, CacheManager, Engine, Runtime]:
     weights = random_weights(CPU_SHAPE, 0)
     return asyncio.run(run_waves(
         lambda c: NumpyBackend(CPU_SHAPE, c.device, c.host, fail=fail),
         lambda b: NumpyExecutor(b, weights, decode_split=32), caps, write_policy, waves(),
-        CPU_SPEC.bytes_per_block))
+        CPU_SPEC.bytes_per_block, deadline_s=deadline_s))
+
+
+@functools.cache
+def _numpy_reference() -> NumpyExecutor:
+    """The multi-turn trace with a device pool that keeps everything (computed once)."""
+    return _numpy_run(Capacities(512), "write_through")[0]
+
+
+def _assert_same_outputs(ex: NumpyExecutor, ref: NumpyExecutor, what: object) -> None:
+    assert ex.outputs.keys() == ref.outputs.keys(), what
+    for rid, toks in ref.outputs.items():
+        assert [t for t, _ in ex.outputs[rid]] == [t for t, _ in toks], (what, rid)
+        np.testing.assert_allclose(np.array(ex.rows[rid]), np.array(ref.rows[rid]),
+                                   rtol=1e-9, atol=1e-11)
 
 
 def test_cpu_world_outputs_do_not_depend_on_the_pools() -> None:
-    ref, *_ = _numpy_run(Capacities(512), "write_through")
+    ref = _numpy_reference()
     assert len(ref.outputs) == 24 and all(len(v) == 6 for v in ref.outputs.values())
     fails = {"n": 0}
 
@@ -334,8 +360,7 @@ def test_cpu_world_outputs_do_not_depend_on_the_pools() -> None:
             return fails["n"] % 3 == 0
         return False
 
-    # (write_back with a host tier of 16..24 blocks stalls admission in this trace: see
-    # the issue 6 notes in benchmarks/RESULTS.md; 32 blocks still evict from host.)
+    # (host tiers of every size: test_cpu_world_small_host_tiers_complete_and_match.)
     for policy, host, f in (("write_through", 16, None), ("write_back", 32, None),
                             ("write_through", 16, fail)):
         ex, manager, _, runtime = _numpy_run(Capacities(12, host), policy, f)
@@ -345,11 +370,20 @@ def test_cpu_world_outputs_do_not_depend_on_the_pools() -> None:
         assert runtime.metrics.ops[OpKind.SWAP_IN.value] > 0
         if f is not None:
             assert st.recomputed_blocks > 0 and runtime.metrics.failed > 0
-        assert ex.outputs.keys() == ref.outputs.keys()
-        for rid, toks in ref.outputs.items():
-            assert [t for t, _ in ex.outputs[rid]] == [t for t, _ in toks], (policy, rid)
-            np.testing.assert_allclose(np.array(ex.rows[rid]), np.array(ref.rows[rid]),
-                                       rtol=1e-9, atol=1e-11)
+        _assert_same_outputs(ex, ref, policy)
+
+
+@pytest.mark.parametrize("host", [2, 4, 6, 8, 12, 16, 20, 24, 32, 40])
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_cpu_world_small_host_tiers_complete_and_match(policy: str, host: int) -> None:
+    """Whatever the host tier's size, the trace completes (none refused, no stall) with
+    the big pool's outputs. With write_back and 2-6 host blocks the head request used to
+    be refused while its blocks were only held by copy-outs still in flight (device
+    parents pinned by children whose host copies were still filling)."""
+    ex, manager, engine, runtime = _numpy_run(Capacities(12, host), policy, deadline_s=20.0)
+    assert engine.stats.rejected == 0 and engine.stats.finished == 24
+    assert not runtime.tasks and not manager.inflight
+    _assert_same_outputs(ex, _numpy_reference(), (policy, host))
 
 
 def test_executor_needs_request_states() -> None:
