@@ -230,9 +230,11 @@ class CacheManager:
         prefetch: what has not reached host by now is recomputed rather than
         waited for).
 
-        Raises ``NotEnoughBlocks`` (leaving every pool and reference as it was)
-        when the device cannot hold the request even after evicting every
-        unreferenced block.
+        Raises ``NotEnoughBlocks`` when the device cannot hold the request now,
+        even after evicting every block that may go. References and the
+        request's own blocks are given back; evictions made stay made, their
+        copy-outs in ``detached_ops``. A block that a copy in flight is filling
+        becomes evictable only once it lands, so the same plan may fit then.
         """
         keys = tuple(keys)
         index = self.index
@@ -410,37 +412,11 @@ class CacheManager:
                 return freed_ids
         copies: list[Node] = []
         src_ids: list[int] = []
-        # Copies down get their lower blocks from one allocation after the
-        # victims are chosen (one op, not one per block); until then a FILLING
-        # placeholder keeps each copied node indexed.
         budget = self._room(lower) if copy_out else 0  # type: ignore[arg-type]
-        while len(freed_ids) < count:
-            progress = False
-            for node in index.victims(tier, copy_down=len(copies) < budget):
-                other = has_other_copy(node, tier)
-                if not other and len(copies) < budget:
-                    node.state[lower] = FILLING  # type: ignore[index]
-                    copies.append(node)
-                    src_ids.append(node.loc[tier])
-                elif node.children and not other:
-                    continue  # no room below after all: an inner node must stay
-                freed_ids.append(index.drop_copy(node, tier))
-                progress = True
-                if len(freed_ids) >= count:
-                    break
-            if not progress:
-                break
-        if copies:
-            lids = self._make_room(lower, len(copies), ops)  # type: ignore[arg-type]
-            # Fewer lower blocks than the room promised (closure pins some):
-            # those victims stay where they were.
-            for node, src in zip(copies[len(lids):], src_ids[len(lids):], strict=True):
-                node.state[lower] = ABSENT  # type: ignore[index]
-                freed_ids.remove(src)
-                index.set_copy(node, tier, src, READY)
-            del copies[len(lids):], src_ids[len(lids):]
-            for node, lid in zip(copies, lids, strict=True):
-                node.loc[lower] = lid  # type: ignore[index]
+        self._take_victims(tier, count, budget, copy_out, freed_ids, copies, src_ids)
+        unfunded = self._fund_copies(tier, copies, src_ids, freed_ids, ops)
+        if len(freed_ids) < count and tier == DEVICE and lower is not None:
+            self._evict_pinned(count, copy_out, unfunded > 0, freed_ids, copies, src_ids, ops)
         self.stats.evictions[tier] += len(freed_ids)
         self.stats.copy_outs[tier] += len(copies)
         if copies:
@@ -452,6 +428,91 @@ class CacheManager:
             self.inflight[op.op_id] = op
             ops.append(op)
         return freed_ids
+
+    def _take_victims(self, tier: Tier, count: int, budget: int, copy_leaves: bool,
+                      freed_ids: list[int], copies: list[Node], src_ids: list[int]) -> None:
+        """Drop victims' ``tier`` copies until ``freed_ids`` holds ``count``; up to
+        ``budget`` victims with no copy elsewhere are marked for a copy one tier
+        down instead (inner ones always; leaves only if ``copy_leaves``).
+
+        Copies down get their lower blocks from one allocation after the victims
+        are chosen (``_fund_copies``: one op, not one per block); until then a
+        FILLING placeholder keeps each copied node indexed.
+        """
+        index = self.index
+        lower = self._lower[tier]
+        while len(freed_ids) < count:
+            progress = False
+            for node in index.victims(tier, copy_down=len(copies) < budget):
+                other = has_other_copy(node, tier)
+                if not other and len(copies) < budget and (copy_leaves or node.children):
+                    node.state[lower] = FILLING  # type: ignore[index]
+                    copies.append(node)
+                    src_ids.append(node.loc[tier])
+                elif node.children and not other:
+                    continue  # no room below after all: an inner node must stay
+                freed_ids.append(index.drop_copy(node, tier))
+                progress = True
+                if len(freed_ids) >= count:
+                    break
+            if not progress:
+                break
+
+    def _fund_copies(self, tier: Tier, copies: list[Node], src_ids: list[int],
+                     freed_ids: list[int], ops: list[TransferOp]) -> int:
+        """Give the victims marked for a copy down their lower blocks; returns how
+        many got none and went back to ``tier``, as they were.
+
+        The room ``_room`` promised can fall short: an unreferenced ready copy
+        below is not evictable while prefix closure pins it (an inner node whose
+        children have no other copy).
+        """
+        if not copies:
+            return 0
+        lower: Tier = self._lower[tier]  # type: ignore[assignment]
+        index = self.index
+        lids = self._make_room(lower, len(copies), ops)
+        for node, src in zip(copies[len(lids):], src_ids[len(lids):], strict=True):
+            node.state[lower] = ABSENT
+            freed_ids.remove(src)
+            index.set_copy(node, tier, src, READY)
+        unfunded = len(copies) - len(lids)
+        del copies[len(lids):], src_ids[len(lids):]
+        for node, lid in zip(copies, lids, strict=True):
+            node.loc[lower] = lid
+        return unfunded
+
+    def _evict_pinned(self, count: int, copy_leaves: bool, drop_only: bool,
+                      freed_ids: list[int], copies: list[Node], src_ids: list[int],
+                      ops: list[TransferOp]) -> None:
+        """Device eviction fell short: get past what prefix closure pins.
+
+        An unreferenced device block can be stuck behind blocks of the tier
+        below: an inner node whose children live only on host cannot be dropped
+        (write_through never copies down on eviction; write_back found no room),
+        and host room can itself be pinned by device children. With nothing
+        running, a request the device can hold would then be refused for good.
+        So, only when short: copy such inner nodes down whatever the write
+        policy, and where the room below was promised but not had, drop what
+        may go instead — which in turn unpins more, round after round, until a
+        round frees nothing.
+        """
+        lower: Tier = self._lower[DEVICE]  # type: ignore[assignment]
+        while len(freed_ids) < count:
+            before = len(freed_ids)
+            budget = 0 if drop_only else self._room(lower)
+            more: list[Node] = []
+            more_src: list[int] = []
+            self._take_victims(DEVICE, count, budget, copy_leaves, freed_ids, more, more_src)
+            unfunded = self._fund_copies(DEVICE, more, more_src, freed_ids, ops)
+            copies += more
+            src_ids += more_src
+            if len(freed_ids) > before:
+                drop_only = False
+            elif unfunded and not drop_only:
+                drop_only = True
+            else:
+                break
 
     # ----------------------------------------------------------------- commit
     def commit(self, plan: Plan) -> None:

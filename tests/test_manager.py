@@ -124,6 +124,29 @@ def test_write_back_copy_out_precedes_reuse():
     m.check_invariants()
 
 
+def test_write_back_eviction_gets_past_host_room_that_closure_pins():
+    # Host room is counted as free plus unreferenced ready copies, but such a copy can be
+    # pinned by prefix closure: here "ax" lives on host only, under device parent "a" and
+    # above device child "axy". Eviction chose "axy" to copy down into that room, found
+    # none, put "axy" back and gave up: nothing referenced, nothing in flight, and still
+    # a plan for the whole device was refused. Dropping "axy" unpins "ax"; dropping
+    # "ax" makes room for "a".
+    m = CacheManager(Capacities(3, host=1), write_policy="write_back")
+    for rid, keys in enumerate((["a", "ax"], ["p", "pq"], ["a", "ax", "axy"])):
+        p = m.plan(rid, keys)
+        complete_all(m, list(p.ops))
+        m.commit(p)
+        complete_all(m, m.finish(p))
+    ax = m.index.get("ax")
+    assert (ax.state[Tier.DEVICE], ax.state[Tier.HOST]) == (READY, READY)
+    assert not m.inflight and all(n.ref == 0 for n in m.index)
+    p = m.plan("all", ["z0", "z1", "z2"])
+    assert len(p.device_ids) == 3
+    assert [n.key for n in m.match(["a"])] == ["a"]  # copied down, not dropped
+    complete_all(m, list(p.ops))
+    m.check_invariants()
+
+
 def test_write_through_selective_threshold():
     m = CacheManager(Capacities(8, host=8),
                      write_policy=__import__("kvflow.policy").policy.WritePolicy(

@@ -83,6 +83,31 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert n.ref > 0 and n.key in self.m.index.nodes
                 assert n.state[Tier.DEVICE] != ABSENT, n
 
+    def whole_device_fits(self):
+        """With nothing running, the engine plans the head of the queue, lets the copies a
+        failed plan started land, and plans again; a request the device can hold must get
+        in that way (a plan refused with nothing in flight is refused for good)."""
+        m = self.m
+        keys = [("fresh", i) for i in range(m.capacities.device)]
+        for _ in range(4 * sum(m.capacities[t] for t in (0, 1, 2)) + 4):
+            try:
+                p = m.plan("whole-device", keys)
+                break
+            except NotEnoughBlocks:
+                ops = m.detached_ops[:]
+                m.detached_ops.clear()
+                assert ops, "a plan for the whole device refused with nothing in flight"
+                while ops:
+                    ops += m.complete(ops.pop(0), True)
+        else:
+            raise AssertionError("a plan for the whole device never fits")
+        m.check_invariants()
+        self.ops += p.ops
+        m.commit(p)
+        self.ops += m.finish(p)
+        while self.ops:
+            self.ops += m.complete(self.ops.pop(0), True)
+
     def teardown(self):
         if not hasattr(self, "m"):
             return
@@ -92,6 +117,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.ops += self.m.complete(self.ops.pop(0), True)
         assert not self.m.inflight
         assert all(n.ref == 0 and n.state[0] != COMPUTING for n in self.m.index)
+        self.whole_device_fits()
         self.m.drop_all()
         for pool in self.m.pools:
             assert pool.num_used == 0, pool
