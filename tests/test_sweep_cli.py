@@ -7,6 +7,7 @@ so these tests exercise the command, not the simulator.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from pathlib import Path
 
@@ -152,7 +153,10 @@ def test_sweep_user_errors(tmp_path: Path) -> None:
         "sweep", t, "-p", "seed=1", "--scheduler", "tcp://127.0.0.1:1", "-j", "2"
     )
     line = user_error("sweep", t, "-p", "seed=1", "--scheduler", "tcp://127.0.0.1:1")
-    assert "cannot reach the Dask scheduler at tcp://127.0.0.1:1" in line
+    if importlib.util.find_spec("distributed") is None:  # an install without the dask extra
+        assert "--scheduler needs dask.distributed: pip install 'kvflow[dask]'" in line
+    else:
+        assert "cannot reach the Dask scheduler at tcp://127.0.0.1:1" in line
     assert list(tmp_path.iterdir()) == [afile]  # nothing written, not even ./sweep
 
 
