@@ -12,13 +12,10 @@ Same inputs and seed give the same report, ``wall_s`` aside.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import gc
 import math
-import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,50 +194,15 @@ def run_replay(cfg: ReplayConfig,
 
         return run_gpu_replay(cfg, progress, inspect=inspect)
     t0 = time.perf_counter()
-    with young_gc_only():
-        setup = resolve(cfg)
-        manager = make_manager(cfg, setup.capacities)
-        if cfg.mode == "cache":
-            body = _replay_cache(setup, manager, progress)
-            if inspect is not None:
-                inspect(manager, None)
-        else:
-            body = run_sim(_replay_full(cfg, setup, manager, progress, configure_backend,
-                                        inspect))
+    setup = resolve(cfg)
+    manager = make_manager(cfg, setup.capacities)
+    if cfg.mode == "cache":
+        body = _replay_cache(setup, manager, progress)
+        if inspect is not None:
+            inspect(manager, None)
+    else:
+        body = run_sim(_replay_full(cfg, setup, manager, progress, configure_backend, inspect))
     return assemble_report(cfg, setup, manager, body, t0)
-
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_saved: tuple[int, ...] = ()
-
-
-@contextlib.contextmanager
-def young_gc_only() -> Iterator[None]:
-    """Within: the cyclic GC collects its young generations only, never the oldest.
-
-    A replay builds millions of long-lived objects (index nodes, request
-    states, transfer records). Python's default thresholds scan all of them
-    in every full collection, which took about a quarter of a 12k-request
-    replay's wall time while finding almost nothing (the cycles a replay
-    leaves behind die young and are still collected). Afterwards the
-    thresholds are restored and the old generation is collected as usual.
-    Nests, and is safe across threads (the thresholds are process-wide).
-    Results do not depend on it: only when memory is reclaimed.
-    """
-    global _gc_depth, _gc_saved
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_saved = gc.get_threshold()
-            gc.set_threshold(_gc_saved[0], _gc_saved[1], 2**31 - 1)
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0:
-                gc.set_threshold(*_gc_saved)
 
 
 def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,

@@ -231,25 +231,3 @@ def test_waiting_reservations_never_deadlock_the_queue():
         pytest.skip(f"shared trace not found at {path}")
     r = run_replay(ReplayConfig(trace=str(path), limit=1500), inspect=check_drained)
     assert r["requests"] + r["rejected"] == 1500
-
-
-def test_replay_skips_full_gc_collections_and_restores_thresholds():
-    """run_replay collects young generations only while it runs (a full collection
-    scans every live index node: a quarter of a big replay's wall time), then puts
-    the process's thresholds back, also after an error."""
-    import gc
-
-    from sim.replay import young_gc_only
-
-    before = gc.get_threshold()
-    seen = []
-    run_replay(ReplayConfig(trace=SAMPLE, limit=5),
-               inspect=lambda m, rt: seen.append(gc.get_threshold()))
-    assert seen[0][:2] == before[:2] and seen[0][2] > 10**9
-    assert gc.get_threshold() == before
-    with pytest.raises(RuntimeError), young_gc_only():
-        with young_gc_only():
-            assert gc.get_threshold()[2] > 10**9
-        assert gc.get_threshold()[2] > 10**9  # the outer one still holds
-        raise RuntimeError
-    assert gc.get_threshold() == before
