@@ -44,6 +44,7 @@ from kernels.swap import (
     SwapKernels,
 )
 from kernels.testing import spin
+from sim.realtime import new_loop
 
 CTAS = (2, 4, 8, 16)
 MEMCPY_DEFAULT = 4
@@ -350,14 +351,8 @@ def host_times(reps: int) -> dict:
             await sink.wait()
         return statistics.median(times[5:])
 
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:
-        factory = None
     grouped = CudaBackend(spec, 256, 512, layers_per_launch=4)
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
         out["backend_submit_us"] = runner.run(submits(backend)) * 1e6
         out["backend submit, 4 layers/launch"] = runner.run(submits(grouped)) * 1e6
     cp.cuda.Device().synchronize()

@@ -31,6 +31,7 @@ from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, Capacities, OpKind, TransferOp
 from kvflow.radix import Tier
 from kvflow.runtime import Runtime
+from sim.realtime import new_loop
 from sim.replay import (
     DEFAULT_HOST_GB,
     ReplayConfig,
@@ -199,13 +200,7 @@ def run_gpu_replay(cfg: ReplayConfig, progress: Callable[[int, int], None] | Non
 
 
 def _run_loop(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover - uvloop is a dependency
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
         return runner.run(coro)
 
 

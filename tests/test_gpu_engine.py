@@ -42,6 +42,7 @@ from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities, OpKind
 from kvflow.radix import Tier
 from kvflow.runtime import Runtime
+from sim.realtime import new_loop
 from sim.replay import request_keys
 from traces.generate import multi_turn
 
@@ -412,13 +413,7 @@ def _gpu_run(caps: Capacities, write_policy: str, trace: list[list[EngineRequest
 
 
 def _run_uvloop(coro_fn: Callable[[], Any]) -> Any:
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
         return runner.run(coro_fn())
 
 

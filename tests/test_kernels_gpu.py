@@ -21,6 +21,7 @@ from kvflow.errors import InvalidBlockId, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
+from sim.realtime import new_loop
 
 _REASON = gpu_unavailable_reason()
 pytestmark = [
@@ -51,13 +52,7 @@ _op_ids = iter(range(1 << 30))
 
 def run(coro_fn: Callable[[], Awaitable[Any]]) -> Any:
     """Run under uvloop where installed (the real world's loop), else asyncio's."""
-    try:
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    except ImportError:  # pragma: no cover
-        factory = None
-    with asyncio.Runner(loop_factory=factory) as runner:
+    with asyncio.Runner(loop_factory=new_loop) as runner:
         return runner.run(coro_fn())
 
 
