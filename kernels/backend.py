@@ -38,6 +38,7 @@ from kernels.swap import (
     PreparedCopy,
     SwapKernels,
 )
+from kvflow.backend import submit_loop
 from kvflow.errors import ConfigError, InvalidBlockId, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
@@ -508,14 +509,7 @@ class CudaBackend:
         )
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        try:
-            return asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                raise RuntimeError(
-                    "CudaBackend.submit needs a running event loop or loop= at construction"
-                ) from None
-            return self._loop
+        return submit_loop(self._loop, "CudaBackend.submit")
 
     def _take_events(self, n: int) -> list[object]:
         pool = self._event_pool

@@ -8,6 +8,7 @@ it is told to follow, and reports each layer as it lands.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -73,3 +74,15 @@ def pending_after(
         if not d.finished:
             pending.append(d)
     return pending
+
+
+def submit_loop(fallback: asyncio.AbstractEventLoop | None, who: str) -> asyncio.AbstractEventLoop:
+    """The loop an op's callbacks go to: the running one, else the one given at
+    construction (a backend driven from outside its loop's thread, e.g. a test)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        if fallback is None:
+            raise RuntimeError(f"{who} needs a running event loop "
+                               "or loop= at construction") from None
+        return fallback

@@ -25,7 +25,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvflow.backend import TransferBackend
+from kvflow.backend import TransferBackend, submit_loop
 from kvflow.errors import ConfigError, TransferError
 from kvflow.manager import TransferOp
 from kvflow.radix import Tier
@@ -170,10 +170,4 @@ class RoutedBackend:
             self._end_unstarted(handle)
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        try:
-            return asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                raise RuntimeError("RoutedBackend needs a running event loop "
-                                   "or loop= at construction") from None
-            return self._loop
+        return submit_loop(self._loop, "RoutedBackend")

@@ -52,7 +52,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvflow.backend import pending_after
+from kvflow.backend import pending_after, submit_loop
 from kvflow.errors import BlocksLost, ConfigError, TransferError
 from kvflow.host_memory import HostMemory
 from kvflow.manager import TransferOp
@@ -469,13 +469,7 @@ class StoreBackend:
                 for k in ("storage_read", "storage_write")}
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
-        try:
-            return asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                raise RuntimeError("StoreBackend.submit needs a running event loop "
-                                   "or loop= at construction") from None
-            return self._loop
+        return submit_loop(self._loop, "StoreBackend.submit")
 
     @property
     def inflight(self) -> int:
