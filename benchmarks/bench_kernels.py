@@ -268,6 +268,44 @@ def bench_size(buf: Buffers, block: int, layers: int, reps: int, kernels: SwapKe
     return res
 
 
+SPLIT_FRACTIONS = (0.0, 0.2, 0.3, 0.4, 0.5, 1.0)
+
+
+def bench_split(buf: Buffers, kb: int, layers: int, reps: int, kernels: SwapKernels,
+                rng: np.random.Generator, ceil: dict, ctas: int = 8) -> dict:
+    """An experiment, not a path ``BlockCopier`` takes: a fraction f of an op's scattered
+    blocks to the copy-engine batch on a second stream while the kernel copies the rest,
+    launched per layer; ratio to the ceiling for each f, each way and both at once
+    (four streams)."""
+    cp = cupy_module()
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(4)]
+    hk, dk, src, dst = copiers(buf, kb << 10, layers, kernels, rng, dma="never")
+    hc, dc, _, _ = copiers(buf, kb << 10, layers, kernels, rng, dma="always")
+    n = src.size
+    moved = n * layers * (kb << 10)
+    out: dict = {}
+    for f in SPLIT_FRACTIONS:
+        k = n - round(f * n)
+        preps = (hk.prepare(src[:k], dst[:k], streams[0]), hc.prepare(src[k:], dst[k:], streams[1]),
+                 dk.prepare(src[:k], dst[:k], streams[2]), dc.prepare(src[k:], dst[k:], streams[3]))
+
+        def go(ways: str, p: tuple = preps) -> None:
+            for layer in range(layers):
+                if "h" in ways:
+                    hk.launch(p[0], streams[0], layer, 1, ctas=ctas)
+                    hc.launch(p[1], streams[1], layer, 1)
+                if "d" in ways:
+                    dk.launch(p[2], streams[2], layer, 1, ctas=ctas)
+                    dc.launch(p[3], streams[3], layer, 1)
+
+        out[f] = {d: (2 if d == "both" else 1) * moved / gpu_time(
+            lambda w=w: go(w), streams[0], reps, tuple(streams[1:])) / ceil[d]
+            for d, w in (("h2d", "h"), ("d2h", "d"), ("both", "hd"))}
+    for s in streams:
+        s.synchronize()
+    return out
+
+
 def host_times(reps: int) -> dict:
     """Python host time (us, median) of the submission path and of its pieces (llama-3-8b)."""
     cp = cupy_module()
@@ -368,6 +406,8 @@ def main() -> None:
     ap.add_argument("--max-memcpy-pieces", type=int, default=2048)
     ap.add_argument("--skip-host", action="store_true", help="skip the host-time section")
     ap.add_argument("--json", help="write all numbers here")
+    ap.add_argument("--split", default="", help="also the kernel + copy-engine split "
+                    "experiment at these block sizes in KB (e.g. 16,32,64)")
     args = ap.parse_args()
     cp = cupy_module()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
@@ -408,6 +448,13 @@ def main() -> None:
                        if path == "batch" else ""))
         print(f"  ours ({r['path']}): " + "  ".join(
             f"{d} {r[f'auto_{d}'] / 1e9:6.1f}" for d in ("h2d", "d2h", "both")))
+    split_rows = {}
+    for kb in (int(x) for x in args.split.split(",") if x):
+        split_rows[kb] = bench_split(buf, kb, args.layers, args.reps, kernels, rng, ceil)
+        print(f"\nsplit {kb} KB, ratio to the ceiling (h2d / d2h / both) by copy-engine "
+              "share f, per-layer launches, kernel at 8 CTAs:")
+        print("  " + "  ".join(f"f={f:.1f}: {r['h2d']:.3f}/{r['d2h']:.3f}/{r['both']:.3f}"
+                               for f, r in split_rows[kb].items()))
     ht = {"all_layer_submit_us": float("nan"), "backend_submit_us": float("nan")}
     if not args.skip_host:
         ht = host_times(400)
@@ -416,7 +463,9 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"device": name, "ceiling": ceil,
                        "both_split": {f"{a},{b}": v for (a, b), v in split.items()},
-                       "sizes": rows, "host": ht}, f, indent=1)
+                       "sizes": rows, "host": ht,
+                       "split": {kb: {str(f): r for f, r in v.items()}
+                                 for kb, v in split_rows.items()}}, f, indent=1)
     print_ratios(rows, best_split, ht)
 
 

@@ -18,7 +18,10 @@ overlap efficiency = (transfer + compute - together) / min(transfer, compute):
 1.0 when the shorter one is fully hidden. With L layers a perfect pipeline
 still pays one layer of the shorter side, so the ceiling is about (L-1)/L.
 Also reported: the CPU time to enqueue the step (it never waits on a layer)
-against the time the GPU takes. n is picked so that compute is close to the
+against the time the GPU takes; where "together" loses time: how long after
+the load's start the step starts on the GPU, the CPU time ``submit`` took for
+the load, and how long the step's stream stalled on the load's layers (events
+around each ``wait_layer``, in a separate probe pass). n is picked so that compute is close to the
 transfer, then n/2 and 2n are shown too; the batch case runs with the copy
 streams at the default priority and at the highest.
 
@@ -31,6 +34,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import time
 from typing import Any
 
 import numpy as np
@@ -94,13 +98,40 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
         await ex.run_items(items(n))
         return ex.last_gpu_s
 
-    async def together(n: int) -> tuple[float, float]:
+    async def together(n: int) -> tuple[float, float, float, float]:
+        """(together, CPU enqueue of the step, step start after the load's, CPU submit
+        of the load), in seconds."""
         a = cp.cuda.Event()
         a.record(backend.load_stream)
+        t0 = time.perf_counter()
         t = load()
+        submit_s = time.perf_counter() - t0
         await ex.run_items(items(n), [t])
         assert t.ok
-        return cp.cuda.get_elapsed_time(a, ex._ev_end) / 1e3, ex.last_enqueue_s
+        el = cp.cuda.get_elapsed_time
+        return (el(a, ex._ev_end) / 1e3, ex.last_enqueue_s, el(a, ex._ev_start) / 1e3,
+                submit_s)
+
+    async def stalls(n: int) -> float:
+        """Seconds the step's compute stream waited on the load, summed over layers:
+        events recorded on it just before and after each ``wait_layer`` (a probe,
+        run apart from the timed passes)."""
+        marks: list[tuple[Any, Any]] = []
+        plain = backend.wait_layer
+
+        def probed(stream: Any, handle: Any, layer: int) -> None:
+            before, after = cp.cuda.Event(), cp.cuda.Event()
+            before.record(stream)
+            plain(stream, handle, layer)
+            after.record(stream)
+            marks.append((before, after))
+
+        backend.wait_layer = probed  # type: ignore[method-assign]
+        try:
+            await ex.run_items(items(n), [load()])
+        finally:
+            del backend.wait_layer  # the class's method again
+        return sum(cp.cuda.get_elapsed_time(b, e) for b, e in marks) / 1e3
 
     async def beside(n: int) -> float:
         """Compute's GPU time while the same load runs, not waited on: the slowdown
@@ -130,11 +161,14 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     rows = []
     for n in sizes:
         t_c = await median(compute_alone, n)
-        t_t, enq = await median(together, n)
+        t_t, enq, lag, submit = await median(together, n)
         t_b = await median(beside, n)
+        stalled = await median(stalls, n)
         eff = (t_x + t_c - t_t) / min(t_x, t_c)
         rows.append({"new_tokens": n, "transfer_s": t_x, "compute_s": t_c, "together_s": t_t,
-                     "efficiency": eff, "enqueue_s": enq, "compute_beside_load_s": t_b})
+                     "efficiency": eff, "enqueue_s": enq, "compute_beside_load_s": t_b,
+                     "step_start_lag_s": lag, "load_submit_s": submit,
+                     "stalled_on_load_s": stalled})
     backend.synchronize()
     return {"model": spec.name, "layers": spec.num_layers, "block_tokens": bt,
             "requests": requests, "blocks_per_request": blocks, "cached_blocks": k,
@@ -172,8 +206,9 @@ def main() -> None:
     print(f"copy path: {results[0].get('copy_path')}; 'compute beside load': compute's GPU "
           "time while the same load runs, not waited on")
     print("| case | copy streams | new tokens per request | transfer ms | compute ms | "
-          "together ms | overlap efficiency | CPU enqueue ms | compute beside load ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "together ms | overlap efficiency | CPU enqueue ms | compute beside load ms | "
+          "step starts after load ms | CPU submit of load ms | stalled on load ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         case = (f"{r['case']}: {r['requests']} x {r['blocks_per_request']} blocks "
                 f"({r['bytes'] / 2**30:.2f} GiB)")
@@ -182,7 +217,9 @@ def main() -> None:
                   f"priority | {row['new_tokens']} | {row['transfer_s'] * 1e3:.2f} | "
                   f"{row['compute_s'] * 1e3:.2f} | {row['together_s'] * 1e3:.2f} | "
                   f"{row['efficiency']:.1%} | {row['enqueue_s'] * 1e3:.2f} | "
-                  f"{row['compute_beside_load_s'] * 1e3:.2f} |")
+                  f"{row['compute_beside_load_s'] * 1e3:.2f} | "
+                  f"{row['step_start_lag_s'] * 1e3:.2f} | {row['load_submit_s'] * 1e3:.2f} | "
+                  f"{row['stalled_on_load_s'] * 1e3:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
