@@ -316,7 +316,8 @@ def host_times(reps: int) -> dict:
     from kvflow.radix import Tier
 
     spec = preset("llama-3-8b")
-    backend = CudaBackend(spec, 256, 512)
+    # every layer enqueued at submit, so "backend submit" times the whole op (eager_layers)
+    backend = CudaBackend(spec, 256, 512, eager_layers=None)
     rng = np.random.default_rng(0)
     src = rng.permutation(512)[:128].astype(np.int32)
     dst = rng.permutation(256)[:128].astype(np.int32)
@@ -389,7 +390,7 @@ def host_times(reps: int) -> dict:
             await sink.wait()
         return statistics.median(times[5:])
 
-    grouped = CudaBackend(spec, 256, 512, layers_per_launch=4)
+    grouped = CudaBackend(spec, 256, 512, layers_per_launch=4, eager_layers=None)
     with asyncio.Runner(loop_factory=new_loop) as runner:
         out["backend_submit_us"] = runner.run(submits(backend)) * 1e6
         out["backend submit, 4 layers/launch"] = runner.run(submits(grouped)) * 1e6
