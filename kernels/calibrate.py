@@ -58,7 +58,7 @@ Log = Callable[[str], None]
 _H2D, _D2H = 1, 2
 #: Rows at which the executor's weight GEMMs are timed: their efficiency curve
 #: (``sim.cost.gemm_shape``) spans a decode of one sequence to a full chunk.
-GEMM_ROWS = (1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+GEMM_ROWS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 # ----------------------------------------------------------------------- pure fitting

@@ -269,27 +269,32 @@ def _link_from_toml(path: str, key: str, table: Any, base: Link) -> Link:
 def gemm_shape(curve: Sequence[tuple[float, float]]) -> Callable[[float], float] | None:
     """GEMM efficiency at ``tokens`` rows relative to the curve's last point, or None.
 
-    ``curve``: measured (tokens, fraction of peak) points. Between points the
-    efficiency is interpolated linearly in log(tokens); outside, it is the
-    nearest point's. A GEMM over few rows streams the weights once for little
-    work (the executor's reach 41 TFLOP/s at 64 rows, 177 at 8192), which one
-    ``mfu`` cannot follow: a step's weight time is divided by this shape, so
-    ``mfu`` stays the rate of large chunks.
+    ``curve``: measured (tokens, fraction of peak) points. A GEMM over few rows
+    streams the weights once for little work (the executor's reach 41 TFLOP/s
+    at 64 rows, 177 at 8192), which one ``mfu`` cannot follow: a step's weight
+    time is divided by this shape, so ``mfu`` stays the rate of large chunks.
+
+    Between points the GEMM's *time* (tokens / efficiency) is linear in
+    tokens; outside, the efficiency is the nearest point's. Time, not rate:
+    below ~64 rows the time barely moves while the rate grows with the rows,
+    and a rate interpolated between 1 and 8 rows would make 4 rows cheaper
+    than 1 (decode batches of 2-8 then ran 8-16% faster than on the GPU).
     """
     if not curve:
         return None
-    xs = [math.log(t) for t, _ in curve]
-    ys = [e / curve[-1][1] for _, e in curve]
+    last = curve[-1][1]
+    ts = [float(t) for t, _ in curve]
+    times = [t / e for t, e in curve]  # seconds per unit of work, up to a constant
+    ys = [e / last for _, e in curve]
 
     def shape(tokens: float) -> float:
-        x = math.log(tokens) if tokens > 0 else xs[0]
-        if x <= xs[0]:
+        if tokens <= ts[0]:
             return ys[0]
-        if x >= xs[-1]:
+        if tokens >= ts[-1]:
             return ys[-1]
-        i = bisect.bisect_right(xs, x)
-        f = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return ys[i - 1] + f * (ys[i] - ys[i - 1])
+        i = bisect.bisect_right(ts, tokens)
+        f = (tokens - ts[i - 1]) / (ts[i] - ts[i - 1])
+        return tokens / (times[i - 1] + f * (times[i] - times[i - 1])) / last
 
     return shape
 
