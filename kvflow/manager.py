@@ -415,8 +415,9 @@ class CacheManager:
         budget = self._room(lower) if copy_out else 0  # type: ignore[arg-type]
         self._take_victims(tier, count, budget, copy_out, freed_ids, copies, src_ids)
         unfunded = self._fund_copies(tier, copies, src_ids, freed_ids, ops)
-        if len(freed_ids) < count and tier == DEVICE and lower is not None:
-            self._evict_pinned(count, copy_out, unfunded > 0, freed_ids, copies, src_ids, ops)
+        if len(freed_ids) < count and lower is not None:
+            self._evict_pinned(tier, count, copy_out, unfunded > 0, freed_ids, copies, src_ids,
+                               ops)
         self.stats.evictions[tier] += len(freed_ids)
         self.stats.copy_outs[tier] += len(copies)
         if copies:
@@ -482,29 +483,33 @@ class CacheManager:
             node.loc[lower] = lid
         return unfunded
 
-    def _evict_pinned(self, count: int, copy_leaves: bool, drop_only: bool,
+    def _evict_pinned(self, tier: Tier, count: int, copy_leaves: bool, drop_only: bool,
                       freed_ids: list[int], copies: list[Node], src_ids: list[int],
                       ops: list[TransferOp]) -> None:
-        """Device eviction fell short: get past what prefix closure pins.
+        """Eviction from ``tier`` (device or host) fell short: get past what prefix
+        closure pins.
 
-        An unreferenced device block can be stuck behind blocks of the tier
-        below: an inner node whose children live only on host cannot be dropped
+        An unreferenced block can be stuck behind blocks of the tier below: an
+        inner node whose children live only there cannot be dropped
         (write_through never copies down on eviction; write_back found no room),
-        and host room can itself be pinned by device children. With nothing
-        running, a request the device can hold would then be refused for good.
-        So, only when short: copy such inner nodes down whatever the write
-        policy, and where the room below was promised but not had, drop what
-        may go instead — which in turn unpins more, round after round, until a
-        round frees nothing.
+        and the room below can itself be pinned by children one tier up — a
+        storage block under a host leaf, a host block under a device leaf. With
+        nothing running, a request the device can hold would then be refused
+        for good. So, only when short: copy such inner nodes down whatever the
+        write policy, and where the room below was promised but not had, drop
+        what may go instead (a leaf; write_back keeps no copy of it then) —
+        which in turn unpins more, round after round, until a round frees
+        nothing. The host needs this as much as the device: a device inner node
+        can only go down to host, and host room pinned this way never frees.
         """
-        lower: Tier = self._lower[DEVICE]  # type: ignore[assignment]
+        lower: Tier = self._lower[tier]  # type: ignore[assignment]
         while len(freed_ids) < count:
             before = len(freed_ids)
             budget = 0 if drop_only else self._room(lower)
             more: list[Node] = []
             more_src: list[int] = []
-            self._take_victims(DEVICE, count, budget, copy_leaves, freed_ids, more, more_src)
-            unfunded = self._fund_copies(DEVICE, more, more_src, freed_ids, ops)
+            self._take_victims(tier, count, budget, copy_leaves, freed_ids, more, more_src)
+            unfunded = self._fund_copies(tier, more, more_src, freed_ids, ops)
             copies += more
             src_ids += more_src
             if len(freed_ids) > before:

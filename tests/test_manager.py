@@ -147,6 +147,35 @@ def test_write_back_eviction_gets_past_host_room_that_closure_pins():
     m.check_invariants()
 
 
+def test_write_back_host_eviction_drops_a_leaf_when_storage_room_is_pinned():
+    # The same chain with a one-block storage tier under the one-block host: the first
+    # refused plan copies "ax" down to storage and "axy" to host, inverting the chain.
+    # Then "a" (device only) is pinned by "ax" (storage only), and host's one block
+    # holds "axy", the leaf under it. Host eviction chose "axy" to copy down into the
+    # storage room that "ax" seemed to offer, found that "ax" may not go (its child
+    # "axy" is on host only), put "axy" back and freed nothing, so "a" could go nowhere:
+    # with nothing referenced and nothing in flight the plan was refused for good.
+    m = CacheManager(Capacities(3, host=1, storage=1), write_policy="write_back")
+    for rid, keys in enumerate((["a", "ax"], ["p", "pq"], ["a", "ax", "axy"])):
+        p = m.plan(rid, keys)
+        complete_all(m, list(p.ops))
+        m.commit(p)
+        complete_all(m, m.finish(p))
+    with pytest.raises(NotEnoughBlocks):  # copy-outs in flight: it may fit once they land
+        m.plan("all", ["z0", "z1", "z2"])
+    complete_all(m, m.detached_ops)
+    assert [(n.key, n.best_tier()) for n in m.index] == [
+        ("a", Tier.DEVICE), ("ax", Tier.STORAGE), ("axy", Tier.HOST)]
+    assert not m.inflight and all(n.ref == 0 for n in m.index)
+    p = m.plan("all", ["z0", "z1", "z2"])
+    assert len(p.device_ids) == 3
+    # "axy" was dropped (no room anywhere below); "a" copied down, the prefix kept.
+    assert [(n.key, n.best_tier()) for n in m.match(["a", "ax", "axy"])] == [
+        ("a", Tier.HOST), ("ax", Tier.STORAGE)]
+    complete_all(m, list(p.ops))
+    m.check_invariants()
+
+
 def test_write_through_selective_threshold():
     m = CacheManager(Capacities(8, host=8),
                      write_policy=__import__("kvflow.policy").policy.WritePolicy(
