@@ -690,6 +690,11 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
 #: each (one op of a size is often a stall, and their per-op cost is what small
 #: swap-ins and backups pay), a few large ones for the bandwidth.
 REPLAY_LINK_SIZES = (1, 2, 3, 4, 5, 6) * 3 + (8, 10, 12, 16)
+#: Output tokens of each links-replay request: enough decode steps that copies land
+#: while other requests decode, as in the engine's replays (small copies ran 2-9%
+#: slower under any compute than on an idle GPU: benchmarks/copy_under_load.py); with 4
+#: tokens the second wave's loads met an idle GPU and the fit fell short of replays' ops.
+REPLAY_LINK_OUTPUT = 24
 
 
 def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] | None = None,
@@ -722,11 +727,12 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         ids = tuple(range(first, first + k + 1))
         first += k + 1
         prefixes.append(ids)
-        reqs.append(Request(i, 0.0, k * bt, 4, ids[:k]))
+        reqs.append(Request(i, 0.0, k * bt, REPLAY_LINK_OUTPUT, ids[:k]))
     wave2 = 3.0  # s: the first wave (~56k prompt tokens) is done by then
     for i, ids in enumerate(prefixes):
-        reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, 4, ids))
-    blocks = sum(-(-(len(ids) * bt + 4) // bt) for ids in prefixes)
+        reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, REPLAY_LINK_OUTPUT,
+                            ids))
+    blocks = sum(-(-(len(ids) * bt + REPLAY_LINK_OUTPUT) // bt) for ids in prefixes)
     ops: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="kvflow-calibrate-") as tmp:
         trace = Path(tmp) / "links.jsonl"
