@@ -50,7 +50,7 @@ from kvflow.radix import Tier
 
 async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: int,
               priority: int | None, sizes: list[int] | None,
-              dma: str = "auto") -> dict[str, Any]:
+              dma: str = "auto", eager_layers: int | None = 4) -> dict[str, Any]:
     """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in."""
     cp = cupy_module()
     spec = preset(model, block_tokens=block_tokens)
@@ -58,7 +58,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     extra = 2  # blocks per request for its new tokens (up to 2 * bt)
     k = requests * blocks
     backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
-                          dma=dma)
+                          dma=dma, eager_layers=eager_layers)
     ex = GpuExecutor(backend, seed=0, max_tokens=requests * extra * bt)
     await ex.warm_up(block=k + requests * extra)
     keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
@@ -185,7 +185,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the batch case only")
     ap.add_argument("--copy-engine", default="auto", choices=("auto", "never", "always"),
                     help="how loads move: by piece size (auto), swap kernel, batched memcpy")
+    ap.add_argument("--eager-layers", type=int, default=4,
+                    help="layers of a load CudaBackend enqueues at submit (0: all)")
     args = ap.parse_args()
+    eager = args.eager_layers or None
     # (label, requests, cached blocks each, stream priorities)
     cases = [("batch", 8, 2, (None, HIGHEST_PRIORITY)), ("long context", 1, 16,
                                                           (HIGHEST_PRIORITY,))]
@@ -196,7 +199,7 @@ def main() -> None:
         sizes = None
         for prio in prios:
             r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
-                                sizes, args.copy_engine))
+                                sizes, args.copy_engine, eager))
             sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for each priority
             r["case"] = label
             results.append(r)
