@@ -306,6 +306,57 @@ def bench_split(buf: Buffers, kb: int, layers: int, reps: int, kernels: SwapKern
     return out
 
 
+BATCH_STREAMS = (1, 2, 3, 4, 6, 8)
+
+
+def bench_batch_streams(buf: Buffers, kb: int, layers: int, reps: int,
+                        rng: np.random.Generator, ceil: dict) -> dict:
+    """An experiment, not a path ``BlockCopier`` takes: each layer's batched-memcpy
+    descriptors split evenly over k streams (the driver may hand streams to different
+    copy engines), for k in ``BATCH_STREAMS``; ratio to the ceiling each way, and both
+    ways with k/2 streams a direction."""
+    from kernels.dma import BatchMemcpy, block_descriptors
+
+    cp = cupy_module()
+    block = kb << 10
+    n = buf.total // (layers * block)
+    stride = 2 * n * block
+
+    def bases(ptr: int) -> np.ndarray:
+        return np.array([[ptr + layer * stride] for layer in range(layers)], dtype=np.int64)
+
+    src, dst = rng.permutation(2 * n)[:n], rng.permutation(2 * n)[:n]
+    descs = {"h2d": block_descriptors(bases(buf.host_a.ptr), bases(buf.dev_a.data.ptr),
+                                      [block], src, dst),
+             "d2h": block_descriptors(bases(buf.dev_b.data.ptr), bases(buf.host_b.ptr),
+                                      [block], src, dst)}
+    batch = BatchMemcpy()
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2 * max(BATCH_STREAMS))]
+
+    def enqueue(desc: tuple[np.ndarray, ...], ss: list) -> None:
+        k = len(ss)
+        for layer in range(layers):
+            for j, st in enumerate(ss):
+                part = slice(layer * n + j * n // k, layer * n + (j + 1) * n // k)
+                batch.enqueue(*(np.ascontiguousarray(a[part]) for a in desc), st.ptr)
+
+    moved = n * layers * block
+    out: dict = {}
+    for k in BATCH_STREAMS:
+        one, two = streams[:k], streams[k:2 * k]
+        half = max(k // 2, 1)
+        out[k] = {
+            d: moved / gpu_time(lambda d=d, one=one: enqueue(descs[d], one), one[0], reps,
+                                tuple(one[1:])) / ceil[d] for d in ("h2d", "d2h")}
+        out[k]["both"] = 2 * moved / gpu_time(
+            lambda one=one, two=two, h=half: (enqueue(descs["h2d"], one[:h]),
+                                              enqueue(descs["d2h"], two[:h])),
+            one[0], reps, (*one[1:half], *two[:half])) / ceil["both"]
+    for st in streams:
+        st.synchronize()
+    return out
+
+
 def host_times(reps: int) -> dict:
     """Python host time (us, median) of the submission path and of its pieces (llama-3-8b)."""
     cp = cupy_module()
@@ -409,6 +460,8 @@ def main() -> None:
     ap.add_argument("--json", help="write all numbers here")
     ap.add_argument("--split", default="", help="also the kernel + copy-engine split "
                     "experiment at these block sizes in KB (e.g. 16,32,64)")
+    ap.add_argument("--batch-streams", default="", help="also the copy-engine batch split "
+                    "over 1-8 streams at these block sizes in KB (e.g. 16,32,64)")
     args = ap.parse_args()
     cp = cupy_module()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
@@ -456,6 +509,16 @@ def main() -> None:
               "share f, per-layer launches, kernel at 8 CTAs:")
         print("  " + "  ".join(f"f={f:.1f}: {r['h2d']:.3f}/{r['d2h']:.3f}/{r['both']:.3f}"
                                for f, r in split_rows[kb].items()))
+    stream_rows = {}
+    for kb in (int(x) for x in args.batch_streams.split(",") if x):
+        if batch_memcpy_unavailable_reason() is not None:
+            print(f"\nbatch streams: skipped ({batch_memcpy_unavailable_reason()})")
+            break
+        stream_rows[kb] = bench_batch_streams(buf, kb, args.layers, args.reps, rng, ceil)
+        print(f"\nbatch over k streams, {kb} KB, ratio to the ceiling (h2d / d2h / both, "
+              "k/2 streams a direction), per-layer calls:")
+        print("  " + "  ".join(f"k={k}: {r['h2d']:.3f}/{r['d2h']:.3f}/{r['both']:.3f}"
+                               for k, r in stream_rows[kb].items()))
     ht = {"all_layer_submit_us": float("nan"), "backend_submit_us": float("nan")}
     if not args.skip_host:
         ht = host_times(400)
@@ -466,7 +529,8 @@ def main() -> None:
                        "both_split": {f"{a},{b}": v for (a, b), v in split.items()},
                        "sizes": rows, "host": ht,
                        "split": {kb: {str(f): r for f, r in v.items()}
-                                 for kb, v in split_rows.items()}}, f, indent=1)
+                                 for kb, v in split_rows.items()},
+                       "batch_streams": stream_rows}, f, indent=1)
     print_ratios(rows, best_split, ht)
 
 
