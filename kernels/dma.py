@@ -137,14 +137,52 @@ class BatchMemcpy:
         for a in (dsts, srcs, sizes):
             if a.dtype != np.uint64 or not a.flags.c_contiguous:
                 raise ValueError("descriptor arrays must be contiguous uint64")
-        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n,
-                self._attrs_ptr, self._idx_ptr, 1]
+        self.enqueue_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, stream_ptr)
+
+    def enqueue_at(self, dsts_ptr: int, srcs_ptr: int, sizes_ptr: int, n: int,
+                   stream_ptr: int) -> None:
+        """``enqueue`` from the addresses of ``n`` contiguous uint64 entries of each array:
+        for a caller that keeps the arrays and launches slices of them layer by layer
+        (no views or checks per launch)."""
+        if n <= 0:
+            return
         if self._b.has_fail_idx:
-            args.append(ctypes.addressof(self._fail))
-        rc = self._b.fn(*args, stream_ptr)
+            rc = self._b.fn(dsts_ptr, srcs_ptr, sizes_ptr, n, self._attrs_ptr, self._idx_ptr, 1,
+                            ctypes.addressof(self._fail), stream_ptr)
+        else:
+            rc = self._b.fn(dsts_ptr, srcs_ptr, sizes_ptr, n, self._attrs_ptr, self._idx_ptr, 1,
+                            stream_ptr)
         if rc != 0:
             raise BatchMemcpyError(f"cuMemcpyBatchAsync failed with CUresult {rc} "
                                    f"({n} copies on stream {stream_ptr:#x})")
+
+
+class DescriptorBuilder:
+    """``block_descriptors`` for one copier: its bases and role sizes kept ready.
+
+    An op's descriptors are built on the path from its submission to the step
+    waiting for it, once per op; here that is a handful of numpy calls whatever
+    the layers and roles (each numpy call costs microseconds on some hosts).
+    """
+
+    def __init__(self, src_bases: np.ndarray, dst_bases: np.ndarray,
+                 role_bytes: Sequence[int]) -> None:
+        self._src = np.asarray(src_bases, dtype=np.uint64)[:, :, None]
+        self._dst = np.asarray(dst_bases, dtype=np.uint64)[:, :, None]
+        self._rb = np.asarray(role_bytes, dtype=np.uint64)[None, :, None]
+        self._layers_roles = self._src.shape[:2]
+
+    def __call__(self, src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray,
+                 lengths: Sequence[int] | np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(dsts, srcs, sizes)`` of every (layer, role, piece), layer-major."""
+        rb = self._rb
+        srcs = (self._src + np.asarray(src_ids, dtype=np.uint64)[None, None, :] * rb).ravel()
+        dsts = (self._dst + np.asarray(dst_ids, dtype=np.uint64)[None, None, :] * rb).ravel()
+        sizes = np.empty((*self._layers_roles, len(src_ids)), dtype=np.uint64)
+        sizes[...] = rb if lengths is None else (
+            rb * np.asarray(lengths, dtype=np.uint64)[None, None, :])
+        return dsts, srcs, sizes.ravel()
 
 
 def block_descriptors(src_bases: np.ndarray, dst_bases: np.ndarray, role_bytes: Sequence[int],
@@ -159,12 +197,4 @@ def block_descriptors(src_bases: np.ndarray, dst_bases: np.ndarray, role_bytes: 
     one descriptor. Layer-major order lets a launch of layers ``[a, b)`` take
     one contiguous slice of each array.
     """
-    rb = np.asarray(role_bytes, dtype=np.uint64)[None, :, None]
-    s = np.asarray(src_ids, dtype=np.uint64)[None, None, :]
-    d = np.asarray(dst_ids, dtype=np.uint64)[None, None, :]
-    srcs = (np.asarray(src_bases, dtype=np.uint64)[:, :, None] + s * rb).ravel()
-    dsts = (np.asarray(dst_bases, dtype=np.uint64)[:, :, None] + d * rb).ravel()
-    piece = rb if lengths is None else rb * np.asarray(lengths, dtype=np.uint64)[None, None, :]
-    shape = (src_bases.shape[0], rb.shape[1], s.shape[2])
-    sizes = np.ascontiguousarray(np.broadcast_to(piece, shape)).ravel()
-    return dsts, srcs, sizes
+    return DescriptorBuilder(src_bases, dst_bases, role_bytes)(src_ids, dst_ids, lengths)

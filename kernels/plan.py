@@ -134,6 +134,58 @@ def split_runs(src: np.ndarray, dst: np.ndarray, min_run_blocks: int) -> Runs:
     return Runs(runs, src[keep], dst[keep])
 
 
+#: Longest Python-list op ``descriptor_runs`` checks without numpy: every numpy call
+#: costs microseconds (7 us on some GPU hosts), and a load's ids are checked on the
+#: path between its submission and the step that waits for it.
+FAST_IDS = 256
+
+
+def descriptor_runs(
+    src_ids: Sequence[int] | np.ndarray,
+    dst_ids: Sequence[int] | np.ndarray,
+    num_src_blocks: int,
+    num_dst_blocks: int,
+    *,
+    src_name: str = "source",
+    dst_name: str = "destination",
+) -> tuple[list[int], list[int], list[int] | None]:
+    """The copy-engine path's pieces: ``(src starts, dst starts, lengths)`` of every
+    maximal run of consecutive ids on both sides, singletons included; ``lengths`` is
+    ``None`` when every run is a single block.
+
+    Validates as ``validate_ids`` does, with the same errors. Python lists of ints up
+    to ``FAST_IDS`` long (what ``TransferOp`` carries) are checked in plain Python;
+    anything else, and any op that fails, goes through ``validate_ids`` +
+    ``split_runs``, so every message comes from one place.
+    """
+    n = len(src_ids)
+    if (type(src_ids) is list and type(dst_ids) is list and n == len(dst_ids)
+            and n <= FAST_IDS and all(type(x) is int for x in src_ids)
+            and all(type(x) is int for x in dst_ids)
+            and all(0 <= x < num_src_blocks for x in src_ids)
+            and all(0 <= x < num_dst_blocks for x in dst_ids)
+            and len(set(dst_ids)) == n):
+        if n == 0:
+            return [], [], None
+        starts_s, starts_d, lengths = [src_ids[0]], [dst_ids[0]], [1]
+        for s, d, ps, pd in zip(src_ids[1:], dst_ids[1:], src_ids[:-1], dst_ids[:-1],
+                                strict=True):
+            if s == ps + 1 and d == pd + 1:
+                lengths[-1] += 1
+            else:
+                starts_s.append(s)
+                starts_d.append(d)
+                lengths.append(1)
+        return starts_s, starts_d, (lengths if len(lengths) < n else None)
+    src, dst = validate_ids(src_ids, dst_ids, num_src_blocks, num_dst_blocks,
+                            src_name=src_name, dst_name=dst_name)
+    r = split_runs(src, dst, 2)
+    if not r.runs.size:
+        return r.src.tolist(), r.dst.tolist(), None
+    return ([*r.runs[:, 0].tolist(), *r.src.tolist()], [*r.runs[:, 1].tolist(), *r.dst.tolist()],
+            [*r.runs[:, 2].tolist(), *[1] * r.src.size])
+
+
 def min_run_blocks_for(min_run_bytes: int, bytes_per_layer_block: int) -> int:
     """Run length (blocks) from which a run goes to the copy engine; 0: never."""
     if min_run_bytes <= 0:

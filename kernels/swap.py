@@ -33,18 +33,20 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kernels._cuda import cupy_module, load_module
-from kernels.dma import BatchMemcpy, batch_memcpy_unavailable_reason, block_descriptors
+from kernels.dma import BatchMemcpy, DescriptorBuilder, batch_memcpy_unavailable_reason
 from kernels.plan import (
+    descriptor_runs,
     min_run_blocks_for,
     pointer_table,
     role_table,
-    split_runs,
     stage_ids,
     uniform_stride,
-    validate_ids,
 )
 from kernels.staging import SlabAllocator, Slice
 
+#: ``PreparedCopy.runs`` of an op with no copy-engine runs (shared, read-only).
+_NO_RUNS = np.zeros((0, 3), np.int64)
+_NO_RUNS.flags.writeable = False
 #: Threads per CTA of the swap kernel (its ``__launch_bounds__``).
 THREADS = 1024
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
@@ -124,12 +126,14 @@ class PreparedCopy:
 
     def __init__(self, runs: np.ndarray, num_scattered: int, ids_ptr: int,
                  release: Callable[[], None] | None,
-                 dma: tuple[np.ndarray, np.ndarray, np.ndarray, int] | None = None) -> None:
+                 dma: tuple[np.ndarray, np.ndarray, np.ndarray, int, tuple[int, int, int]]
+                 | None = None) -> None:
         self.runs = runs                    # [k, 3] (src start, dst start, length) for the CE
         self.num_scattered = num_scattered  # pairs the kernel copies
         self.ids_ptr = ids_ptr              # their int32 pairs in mapped pinned memory
         self._release = release
-        self.dma = dma                      # (dsts, srcs, sizes, per layer): the batched path
+        # the batched path: (dsts, srcs, sizes, descriptors per layer, their addresses)
+        self.dma = dma
 
     def release(self) -> None:
         """Give the staging slice back; only once the GPU is past every launch of this op."""
@@ -203,6 +207,7 @@ class BlockCopier:
         self.use_dma = why_not is None and (
             dma == "always" or (dma == "auto" and min(self.role_bytes) >= dma_min_bytes))
         self._dma = BatchMemcpy() if self.use_dma else None
+        self._descriptors = DescriptorBuilder(self.src_bases, self.dst_bases, self.role_bytes)
         # 2-D memcpy over all layers needs a constant layer stride on both sides.
         self._strides: list[tuple[int, int] | None] = []
         for r in range(self.num_roles):
@@ -239,21 +244,17 @@ class BlockCopier:
 
     def _prepare_dma(self, src_ids: Sequence[int] | np.ndarray,
                      dst_ids: Sequence[int] | np.ndarray) -> PreparedCopy:
-        src, dst = validate_ids(src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks,
-                                src_name=self.src_name, dst_name=self.dst_name)
-        if src.size == 0:
-            return PreparedCopy(np.zeros((0, 3), np.int64), 0, 0, None)
         # Consecutive ids on both sides make one longer descriptor.
-        r = split_runs(src, dst, 2)
-        starts_s = np.concatenate((r.runs[:, 0], r.src)) if r.runs.size else r.src
-        starts_d = np.concatenate((r.runs[:, 1], r.dst)) if r.runs.size else r.dst
-        lengths = (np.concatenate((r.runs[:, 2], np.ones(r.src.size, np.int64)))
-                   if r.runs.size else None)
-        dsts, srcs, sizes = block_descriptors(self.src_bases, self.dst_bases, self.role_bytes,
-                                              starts_s, starts_d, lengths)
-        per_layer = self.num_roles * int(starts_s.size)
-        return PreparedCopy(np.zeros((0, 3), np.int64), 0, 0, None,
-                            dma=(dsts, srcs, sizes, per_layer))
+        starts_s, starts_d, lengths = descriptor_runs(
+            src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks,
+            src_name=self.src_name, dst_name=self.dst_name)
+        if not starts_s:
+            return PreparedCopy(_NO_RUNS, 0, 0, None)
+        dsts, srcs, sizes = self._descriptors(starts_s, starts_d, lengths)
+        # The arrays' addresses once per op: each layer's launch adds its offset.
+        ptrs = (dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data)
+        return PreparedCopy(_NO_RUNS, 0, 0, None,
+                            dma=(dsts, srcs, sizes, self.num_roles * len(starts_s), ptrs))
 
     def _stage(self, n: int) -> tuple[Slice | object, np.ndarray, int]:
         """A pinned slice for ``n`` pairs: from the slabs, else (rarely) CuPy's pinned pool."""
@@ -289,9 +290,11 @@ class BlockCopier:
         if num_layers == 0:
             return
         if prep.dma is not None:
-            dsts, srcs, sizes, per = prep.dma
-            a, b = layer_begin * per, end * per
-            self._dma.enqueue(dsts[a:b], srcs[a:b], sizes[a:b], stream.ptr)  # type: ignore[union-attr]
+            per = prep.dma[3]
+            d, s, z = prep.dma[4]
+            at = 8 * layer_begin * per  # byte offset of the first layer's descriptors
+            self._dma.enqueue_at(d + at, s + at, z + at, num_layers * per,  # type: ignore[union-attr]
+                                 stream.ptr)
             return
         if prep.runs.size:
             self._launch_runs(prep.runs, stream, layer_begin, num_layers)

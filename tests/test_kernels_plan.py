@@ -11,6 +11,7 @@ import pytest
 from kernels.plan import (
     CHUNK_BYTES,
     MAX_ROLES,
+    descriptor_runs,
     min_run_blocks_for,
     pack_ids,
     pointer_table,
@@ -205,3 +206,52 @@ def test_stage_ids_matches_slow_path(seed: int) -> None:
             buf = staged[1]
             assert buf[0:2 * k:2].tolist() == ref.src.tolist()
             assert buf[1:2 * k:2].tolist() == ref.dst.tolist()
+
+
+def _triples(starts_s: list[int], starts_d: list[int], lengths: list[int] | None) -> list:
+    return sorted(zip(starts_s, starts_d, lengths or [1] * len(starts_s), strict=True))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_descriptor_runs_matches_validate_and_split(seed: int) -> None:
+    """The copy-engine path's pieces: every maximal run of consecutive ids on both sides
+    (singletons included), the same set as ``validate_ids`` + ``split_runs(.., 2)``, and
+    the same error (same message) for a bad op, whether the ids come as Python lists
+    (the fast path: ``TransferOp`` carries lists) or arrays of any integer dtype."""
+    rng = np.random.default_rng(seed)
+    for _ in range(600):
+        n = int(rng.integers(0, 40))
+        kind = int(rng.integers(0, 6))
+        src = rng.integers(0, 100, n)
+        dst = rng.permutation(50)[:n]
+        if kind == 1 and n:
+            src[rng.integers(n)] = rng.choice([-1, 100, 2**40])
+        if kind == 2 and n:
+            dst[rng.integers(n)] = rng.choice([-5, 50, 2**33 + 1])
+        if kind == 3 and n > 1:
+            dst[1] = dst[0]
+        if kind == 4 and n > 5:
+            s0, d0 = int(rng.integers(0, 90)), int(rng.integers(0, 40))
+            src[:5] = np.arange(s0, s0 + 5)
+            rest = [x for x in rng.permutation(50) if not d0 <= x < d0 + 5][: n - 5]
+            dst = np.concatenate([np.arange(d0, d0 + 5), rest])
+        as_list = kind == 5 or rng.random() < 0.5
+        s_in = src.tolist() if as_list else src.astype(np.int64)
+        d_in = dst.tolist() if as_list else dst.astype(np.int32)
+        try:
+            ref = split_runs(*validate_ids(s_in, d_in, 100, 50, src_name="host",
+                                           dst_name="device"), 2)
+        except InvalidBlockId as exc:
+            with pytest.raises(InvalidBlockId) as got:
+                descriptor_runs(s_in, d_in, 100, 50, src_name="host", dst_name="device")
+            assert str(got.value) == str(exc)
+            continue
+        got_s, got_d, got_len = descriptor_runs(s_in, d_in, 100, 50, src_name="host",
+                                                dst_name="device")
+        want = sorted([*((int(s), int(d), int(k)) for s, d, k in ref.runs.tolist()),
+                       *((int(s), int(d), 1) for s, d in zip(ref.src.tolist(),
+                                                              ref.dst.tolist(), strict=True))])
+        assert _triples(got_s, got_d, got_len) == want
+        assert got_len is None or any(k > 1 for k in got_len)  # None: all singletons
+    with pytest.raises(InvalidBlockId, match="differ in length"):
+        descriptor_runs([1, 2], [3], 10, 10)
