@@ -139,29 +139,58 @@ def key_int(key: Hashable) -> int:
 def _mix(k: np.ndarray, j: np.ndarray) -> np.ndarray:
     """splitmix64 of (k, j) -> token ids in [0, 2^31)."""
     with np.errstate(over="ignore"):
-        z = k * np.uint64(0x9E3779B97F4A7C15) + j + np.uint64(1)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = k * np.uint64(_MUL1) + j + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MUL2)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MUL3)
         z ^= z >> np.uint64(31)
     return (z >> np.uint64(33)).astype(np.int32)
 
 
+#: Longest range ``prompt_tokens`` computes in plain Python: each numpy call costs
+#: microseconds (~7 us on some GPU hosts) and a step's items are built between its
+#: loads' submission and its first kernel; a few tokens are cheaper one by one.
+SMALL_TOKEN_RANGE = 32
+_MUL1, _MUL2, _MUL3 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def prompt_tokens(keys: Sequence[Hashable], request_id: Hashable, block_tokens: int,
-                  start: int, stop: int) -> np.ndarray:
+                  start: int, stop: int, *, vectorised: bool = False) -> np.ndarray:
     """Token ids of prompt positions ``[start, stop)``: a function of the block's key.
 
     Positions past the last key (a tail that hashing left without one) are a
     function of the request instead: nobody else can match them anyway.
+    Ranges up to ``SMALL_TOKEN_RANGE`` are mixed in plain Python (the same
+    splitmix64 bit for bit) unless ``vectorised``.
     """
     if stop <= start:
         return np.zeros(0, dtype=np.int32)
+
+    def key_of(b: int) -> int:
+        return key_int(keys[b]) if b < len(keys) else key_int(("tail", repr(request_id), b))
+
+    if not vectorised and stop - start <= SMALL_TOKEN_RANGE:
+        out = []
+        b_prev, k = -1, 0
+        for p in range(start, stop):
+            b = p // block_tokens
+            if b != b_prev:
+                b_prev, k = b, key_of(b)
+            out.append(_mix_one(k, p % block_tokens))
+        return np.array(out, dtype=np.int32)
     pos = np.arange(start, stop, dtype=np.int64)
     blocks = pos // block_tokens
     b0, b1 = int(blocks[0]), int(blocks[-1])
-    ints = [key_int(keys[b]) if b < len(keys) else key_int(("tail", repr(request_id), b))
-            for b in range(b0, b1 + 1)]
-    k = np.array(ints, dtype=np.uint64)[blocks - b0]
+    k = np.array([key_of(b) for b in range(b0, b1 + 1)], dtype=np.uint64)[blocks - b0]
     return _mix(k, (pos % block_tokens).astype(np.uint64))
+
+
+def _mix_one(k: int, j: int) -> int:
+    """``_mix`` of one (k, j), on Python ints."""
+    z = (k * _MUL1 + j + 1) & _M64
+    z = ((z ^ (z >> 30)) * _MUL2) & _M64
+    z = ((z ^ (z >> 27)) * _MUL3) & _M64
+    z ^= z >> 31
+    return z >> 33
 
 
 def _hash32(x: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ import pytest
 from kernels import gpu_unavailable_reason
 from kernels.model import (
     DECODE_SPLIT,
+    SMALL_TOKEN_RANGE,
     TILE,
     ModelShape,
     NumpyBackend,
@@ -97,6 +98,22 @@ def test_prompt_tokens_follow_keys() -> None:
     np.testing.assert_array_equal(tail1[:16], tail2[:16])
     assert (tail1[16:] != tail2[16:]).any()
     assert len(prompt_tokens([1], "r", BT, 3, 3)) == 0
+
+
+def test_prompt_tokens_of_a_few_positions_match_the_vectorised_path() -> None:
+    """Short ranges (a chunk's last tokens, a swap-in's next ones) take a plain-Python
+    path, since they sit between a load's submission and the step that waits for it;
+    it must give the numpy path's token ids bit for bit, across block boundaries and
+    into a tail with no key."""
+    rng = np.random.default_rng(5)
+    keys = [int(k) for k in rng.integers(0, 2**63, 6)] + [b"\x07" * 16, ("t", 3)]
+    for _ in range(300):
+        start = int(rng.integers(0, (len(keys) + 1) * BT))
+        stop = start + int(rng.integers(1, SMALL_TOKEN_RANGE + 1))
+        got = prompt_tokens(keys, "req", BT, start, stop)
+        want = prompt_tokens(keys, "req", BT, start, stop, vectorised=True)
+        assert got.dtype == want.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
 
 
 def test_embedding_is_deterministic_and_position_aware() -> None:
