@@ -47,6 +47,7 @@ from kernels.staging import SlabAllocator, Slice
 #: ``PreparedCopy.runs`` of an op with no copy-engine runs (shared, read-only).
 _NO_RUNS = np.zeros((0, 3), np.int64)
 _NO_RUNS.flags.writeable = False
+
 #: Threads per CTA of the swap kernel (its ``__launch_bounds__``).
 THREADS = 1024
 #: Default CTAs per launch: few SMs, so compute keeps the GPU.
