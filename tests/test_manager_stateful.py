@@ -1,8 +1,17 @@
-"""Random sequences of plan / commit / finish / complete over every policy and tier mix.
+"""Random sequences of plan / commit / finish / complete over every policy and tier mix,
+plus the waiting-request paths: prefetch at arrival, release at admission or when
+dropped, best-effort plans (``use_storage=False``) and storage reads that lose blocks.
 
 After every step the manager must hold every invariant of DESIGN.md; at the
-end, with every request finished and every op landed, a drain frees every
-block of every pool.
+end, with every reservation released, every request finished and every op
+landed, a drain frees every block of every pool.
+
+The machine only does what ``kvflow.engine`` may do: a plan's
+``use_storage`` follows the manager's prefetch policy (``not best_effort``),
+as the engine's does; a waiting request is planned with the keys it was
+prefetched with and its reservation released once the plan holds what it
+needs (kept when the plan is refused); ``lost`` is called only as the runtime
+calls it, right after a storage read failed, for some of that read's keys.
 """
 
 from hypothesis import settings
@@ -27,39 +36,101 @@ prompts = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(
 
 class ManagerMachine(RuleBasedStateMachine):
     @initialize(
-        dev=st.integers(2, 10), host=st.integers(0, 10), storage=st.integers(0, 12),
+        # Small devices and hosts half the time: blocks get evicted down to storage
+        # within a run, so that prefetches and storage reads happen.
+        dev=st.integers(2, 5) | st.integers(2, 10), host=st.integers(1, 3) | st.integers(0, 10),
+        storage=st.integers(0, 12),
         eviction=st.sampled_from(["lru", "lfu", "s3fifo"]),
         write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         threshold=st.integers(0, 2),
+        prefetch=st.sampled_from(["best_effort", "wait_complete"]),
     )
-    def setup(self, dev, host, storage, eviction, write, threshold):
+    def setup(self, dev, host, storage, eviction, write, threshold, prefetch):
         self.m = CacheManager(
             Capacities(dev, host, storage), eviction=eviction,
-            write_policy=WritePolicy(write, threshold=threshold))
+            write_policy=WritePolicy(write, threshold=threshold), prefetch_policy=prefetch)
+        # As the engine does: best effort uses only what has reached host by now.
+        self.use_storage = prefetch != "best_effort"
         self.open = []
         self.ops = []
+        self.waiting = []  # (keys, reservation) of requests prefetched at arrival
+        self.seen = []  # prompts planned so far: a later request may repeat one
         self.next_id = 0
 
-    @rule(keys=prompts, extra=st.integers(0, 2))
-    def plan(self, keys, extra):
+    @rule(keys=prompts, extra=st.integers(0, 2), w=st.none() | st.integers(0, 100))
+    def plan(self, keys, extra, w):
+        """Plan a new request, or (``w``) a waiting one with its prefetched keys."""
+        if w is not None and self.waiting:
+            w %= len(self.waiting)
+            keys = self.waiting[w][0]
+        else:
+            w = None
         try:
-            p = self.m.plan(self.next_id, keys, extra)
+            p = self.m.plan(self.next_id, keys, extra, use_storage=self.use_storage)
         except NotEnoughBlocks:
             self.ops += self.m.detached_ops
             self.m.detached_ops.clear()
-            return
+            return  # a waiting request keeps its reservation and waits
+        if w is not None:  # admitted: the plan holds what it needs now
+            self.m.release(self.waiting.pop(w)[1])
+        else:
+            self.seen.append(keys)
         self.next_id += 1
         self.open.append(p)
         self.ops += p.ops
         assert len(p.device_ids) == len(keys)
         assert len(set(p.device_ids) | set(p.extra_ids)) == len(keys) + extra
 
-    @precondition(lambda self: self.open)
+    @rule(keys=prompts, again=st.none() | st.integers(0, 100),
+          blocks_per_op=st.integers(1, 4))
+    def prefetch(self, keys, again, blocks_per_op):
+        """A request arrives and waits: its storage hits start up to host. ``again``:
+        it repeats an earlier prompt (by now maybe evicted down to storage)."""
+        if again is not None and self.seen:
+            # Preferably one whose cached prefix reaches down to storage.
+            down = [k for k in self.seen
+                    if any(n.best_tier() == Tier.STORAGE for n in self.m.match(k))]
+            pool = down or self.seen
+            keys = pool[again % len(pool)]
+        r = self.m.prefetch(keys, blocks_per_op)
+        assert len(set(map(id, r.nodes))) == len(r.nodes)
+        self.waiting.append((keys, r))
+        self.ops += r.ops
+
+    @precondition(lambda self: self.waiting)
     @rule(i=st.integers(0, 100))
-    def commit(self, i):
+    def release(self, i):
+        """A waiting request's reservation goes (the engine drops reservations when
+        the head cannot fit; an aborted waiting request drops its own)."""
+        _, r = self.waiting.pop(i % len(self.waiting))
+        self.m.release(r)
+        assert not r.nodes
+
+    @precondition(lambda self: any(op.src_tier == Tier.STORAGE and op.dst_tier == Tier.HOST
+                                   for op in self.ops))
+    @rule(i=st.integers(0, 100), mask=st.integers(1, 15))
+    def lost(self, i, mask):
+        """A storage read misses blocks the store no longer has: the op fails, then the
+        runtime tells the manager which of its keys are gone (as ``runtime._finished``)."""
+        reads = [op for op in self.ops
+                 if op.src_tier == Tier.STORAGE and op.dst_tier == Tier.HOST]
+        op = reads[i % len(reads)]
+        self.ops.remove(op)
+        self.ops += self.m.complete(op, False)
+        gone = [k for j, k in enumerate(op.keys) if mask >> (j % 4) & 1]
+        if gone:
+            self.m.lost(Tier.STORAGE, gone)
+
+    @precondition(lambda self: self.open)
+    @rule(i=st.integers(0, 100), done=st.booleans())
+    def commit(self, i, done):
+        """``done``: the request then finishes (its blocks stay cached, backups start)."""
         p = self.open[i % len(self.open)]
         if not any(op in self.ops for op in p.ops + p.shared):  # compute runs after loads
             self.m.commit(p)
+            if done:
+                self.open.remove(p)
+                self.ops += self.m.finish(p)
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 100))
@@ -73,6 +144,35 @@ class ManagerMachine(RuleBasedStateMachine):
         op = self.ops.pop(i % len(self.ops))
         self.ops += self.m.complete(op, ok)
 
+    @rule(keys=prompts)
+    def serve(self, keys):
+        """A request runs start to finish while every transfer lands: what it
+        evicts and backs up reaches the lower tiers (storage hits for later ones)."""
+        try:
+            p = self.m.plan(self.next_id, keys, use_storage=self.use_storage)
+        except NotEnoughBlocks:
+            self.ops += self.m.detached_ops
+            self.m.detached_ops.clear()
+            return
+        self.next_id += 1
+        self.seen.append(keys)
+        self.ops += p.ops
+        self.land_all()
+        self.m.commit(p)
+        self.ops += self.m.finish(p)
+        self.land_all()
+
+    @precondition(lambda self: self.ops)
+    @rule()
+    def settle(self):
+        """Every transfer in flight lands (follow-ups too): blocks reach the lower tiers."""
+        self.land_all()
+
+    def land_all(self):
+        """Complete every op in submission order, as the runtime's ordering allows."""
+        while self.ops:
+            self.ops += self.m.complete(self.ops.pop(0), True)
+
     @invariant()
     def holds_invariants(self):
         if not hasattr(self, "m"):
@@ -82,6 +182,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for n in p.nodes:
                 assert n.ref > 0 and n.key in self.m.index.nodes
                 assert n.state[Tier.DEVICE] != ABSENT, n
+        for _, r in self.waiting:  # a reservation keeps its references
+            assert all(n.ref > 0 for n in r.nodes)
 
     def whole_device_fits(self):
         """With nothing running, the engine plans the head of the queue, lets the copies a
@@ -111,6 +213,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self):
         if not hasattr(self, "m"):
             return
+        for _, r in self.waiting:
+            self.m.release(r)
+        self.waiting.clear()
         for p in self.open:
             self.ops += self.m.finish(p)
         while self.ops:
