@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -168,12 +169,12 @@ def _alloc_into(arena: np.ndarray):
     return alloc
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_stage_ids_matches_slow_path(seed: int) -> None:
-    """Same runs, pairs and errors (same message) as validate_ids + split_runs, any dtype."""
-    rng = np.random.default_rng(seed)
-    arena = np.zeros(256, dtype=np.int32)
-    for _ in range(600):
+def _random_ops(rng: np.random.Generator, count: int = 600
+                ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """``(kind, src, dst)`` id arrays for 100 source and 50 destination blocks: kind 1 a
+    source out of range, 2 a destination out of range, 3 a duplicate destination, 4 a
+    run of 5 consecutive ids on both sides first, else plain scattered ids."""
+    for _ in range(count):
         n = int(rng.integers(0, 40))
         kind = int(rng.integers(0, 6))
         src = rng.integers(0, 100, n)
@@ -189,6 +190,15 @@ def test_stage_ids_matches_slow_path(seed: int) -> None:
             src[:5] = np.arange(s0, s0 + 5)
             rest = [x for x in rng.permutation(50) if not d0 <= x < d0 + 5][: n - 5]
             dst = np.concatenate([np.arange(d0, d0 + 5), rest])
+        yield kind, src, dst
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_stage_ids_matches_slow_path(seed: int) -> None:
+    """Same runs, pairs and errors (same message) as validate_ids + split_runs, any dtype."""
+    rng = np.random.default_rng(seed)
+    arena = np.zeros(256, dtype=np.int32)
+    for kind, src, dst in _random_ops(rng):
         dtype = [np.int32, np.int64, np.uint32][int(rng.integers(3))]
         s_in = src.tolist() if kind == 5 else src.astype(dtype)
         d_in = dst.tolist() if kind == 5 else dst.astype(np.int64)
@@ -219,22 +229,7 @@ def test_descriptor_runs_matches_validate_and_split(seed: int) -> None:
     the same error (same message) for a bad op, whether the ids come as Python lists
     (the fast path: ``TransferOp`` carries lists) or arrays of any integer dtype."""
     rng = np.random.default_rng(seed)
-    for _ in range(600):
-        n = int(rng.integers(0, 40))
-        kind = int(rng.integers(0, 6))
-        src = rng.integers(0, 100, n)
-        dst = rng.permutation(50)[:n]
-        if kind == 1 and n:
-            src[rng.integers(n)] = rng.choice([-1, 100, 2**40])
-        if kind == 2 and n:
-            dst[rng.integers(n)] = rng.choice([-5, 50, 2**33 + 1])
-        if kind == 3 and n > 1:
-            dst[1] = dst[0]
-        if kind == 4 and n > 5:
-            s0, d0 = int(rng.integers(0, 90)), int(rng.integers(0, 40))
-            src[:5] = np.arange(s0, s0 + 5)
-            rest = [x for x in rng.permutation(50) if not d0 <= x < d0 + 5][: n - 5]
-            dst = np.concatenate([np.arange(d0, d0 + 5), rest])
+    for kind, src, dst in _random_ops(rng):
         as_list = kind == 5 or rng.random() < 0.5
         s_in = src.tolist() if as_list else src.astype(np.int64)
         d_in = dst.tolist() if as_list else dst.astype(np.int32)
