@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.backend import CudaBackend
-from kernels.calibrate import _backend_ops
+from kernels.calibrate import _backend_ops, scattered_op_seconds
 from kernels.compute import GpuExecutor
 from kernels.model import StepItem
 from kvflow.layout import preset
@@ -73,14 +72,9 @@ async def measure(priority: int | None, reps: int) -> None:
         await asyncio.sleep(0.05)
         row = []
         for _, src, dst in ways:
-            for k in SIZES:
-                ts = []
-                for _ in range(reps):
-                    s = rng.permutation(POOL)[:k].tolist()
-                    d = rng.permutation(POOL)[:k].tolist()
-                    ts += await _backend_ops(backend, [(src, dst, s, d)])
-                    await asyncio.sleep(0.003 * rng.random())  # land anywhere in a step
-                row.append(f"{statistics.median(ts) * 1e3:.3f}")
+            for k in SIZES:  # up to 3 ms apart: ops land anywhere in a step
+                t = await scattered_op_seconds(backend, src, dst, k, POOL, reps, rng, 0.003)
+                row.append(f"{t * 1e3:.3f}")
         stop.set()
         if task is not None:
             await task

@@ -435,6 +435,22 @@ async def _backend_ops(backend: Any, pairs: list[tuple[Tier, Tier, list[int], li
     return [cp.cuda.get_elapsed_time(t.start_event, t.end_event) / 1e3 for t, _ in recs]
 
 
+async def scattered_op_seconds(backend: Any, src: Tier, dst: Tier, k: int, pool: int,
+                               reps: int, rng: np.random.Generator, gap_s: float = 0.0
+                               ) -> float:
+    """Median event-timed seconds of ``reps`` ops of ``k`` random ids out of ``pool`` on
+    each side, one at a time; ``gap_s``: up to that long (uniform) between them, so ops
+    land anywhere in whatever else runs."""
+    ts: list[float] = []
+    for _ in range(reps):
+        s = rng.permutation(pool)[:k].tolist()
+        d = rng.permutation(pool)[:k].tolist()
+        ts += await _backend_ops(backend, [(src, dst, s, d)])
+        if gap_s:
+            await asyncio.sleep(gap_s * rng.random())
+    return statistics.median(ts)
+
+
 async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
                                 sizes: Sequence[int] = (1, 2, 3, 4, 6, 8, 16),
                                 stream_priority: int | None = None,
@@ -492,14 +508,8 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
         for k in sizes:
             await _backend_ops(backend, [(src, dst, rng.permutation(n)[:k].tolist(),
                                           rng.permutation(n)[:k].tolist())])
-        pts = []
-        for k in sizes:
-            ts = []
-            for _ in range(reps):
-                s = rng.permutation(n)[:k].tolist()
-                d = rng.permutation(n)[:k].tolist()
-                ts += await _backend_ops(backend, [(src, dst, s, d)])
-            pts.append((k * per_block, statistics.median(ts)))
+        pts = [(k * per_block, await scattered_op_seconds(backend, src, dst, k, n, reps, rng))
+               for k in sizes]
         lat, bw = fit_link(pts, units, max_bandwidth_Bps=(ceilings or {}).get(f"{name}_Bps"))
         out[name] = {"latency_s": lat, "bandwidth_Bps": bw,
                      "points": [(b, t) for b, t in pts]}

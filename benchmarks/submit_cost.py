@@ -1,0 +1,94 @@
+"""CPU time of one ``CudaBackend.submit`` of a load, and of its parts.
+
+For the overlap question "how long does the CPU take between a load's submission
+and the step that waits for it": a swap-in of 16 blocks of llama-3-8b with
+512-token blocks (the overlap benchmark's batch case, copy-engine path), with
+consecutive and with scattered ids, 1 and 4 layers enqueued at submit. Each
+part (``prepare``: validate, split runs, build descriptors; ``launch``: the
+batched driver calls; the per-layer events and host callbacks around them) is
+timed by wrapping it with ``perf_counter``, no profiler; the table gives the
+mean per submit over the timed ones.
+
+Run (repository root, on a GPU): PYTHONPATH=. python benchmarks/submit_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.backend import CudaBackend, FutureSink
+from kvflow.layout import preset
+from kvflow.manager import OpKind, TransferOp
+from kvflow.radix import Tier
+
+BLOCKS, POOL = 16, 40
+PARTS = ("prepare", "launch", "_enqueue_layers", "_take_events")
+
+
+def timed(obj: Any, name: str, acc: dict[str, float], on: list[bool]) -> None:
+    """Wrap ``obj.name`` to add its wall time to ``acc[name]`` while ``on[0]``."""
+    fn: Callable[..., Any] = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if on[0]:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+async def measure(eager: int, scattered: bool, warm: int, timed_ops: int) -> dict[str, float]:
+    backend = CudaBackend(preset("llama-3-8b", block_tokens=512), POOL, POOL,
+                          eager_layers=eager)
+    acc: dict[str, float] = {}
+    on = [False]
+    for name in PARTS:
+        timed(backend.h2d if name in ("prepare", "launch") else backend, name, acc, on)
+    rnd = random.Random(0)
+    for i in range(warm + timed_ops):
+        ids = rnd.sample(range(POOL), BLOCKS) if scattered else list(range(BLOCKS))
+        op = TransferOp(i, OpKind.SWAP_IN, Tier.HOST, Tier.DEVICE, ids, ids, [])
+        on[0] = i >= warm
+        t0 = time.perf_counter()
+        sink = FutureSink(backend.num_layers)
+        backend.submit(op, sink)
+        if on[0]:
+            acc["submit (with its sink)"] = acc.get("submit (with its sink)", 0.0) + (
+                time.perf_counter() - t0)
+        on[0] = False
+        backend.flush()
+        await sink.finished
+    backend.synchronize()
+    return {k: v / timed_ops for k, v in acc.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", type=int, default=40, help="timed submits per case")
+    args = ap.parse_args()
+    cols = ("submit (with its sink)", *PARTS)
+    print(f"mean CPU us per submit ({BLOCKS} blocks, llama-3-8b, 512-token blocks; "
+          "parts overlap: _enqueue_layers holds launch)")
+    print(f"| eager layers | ids | {' | '.join(cols)} |")
+    print("|---" * (len(cols) + 2) + "|")
+    for eager in (1, 4):
+        for scattered in (False, True):
+            r = asyncio.run(measure(eager, scattered, 20, args.ops))
+            print(f"| {eager} | {'scattered' if scattered else 'consecutive'} | "
+                  + " | ".join(f"{r.get(c, 0.0) * 1e6:.0f}" for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
