@@ -152,12 +152,15 @@ class CacheManager:
         eviction: str = "lru",
         write_policy: WritePolicy | str = "write_through",
         prefetch_policy: PrefetchPolicy | str = "best_effort",
+        index_core: str | None = None,
     ) -> None:
+        """``index_core``: "native", "python" or "auto" (None: ``KVFLOW_INDEX_CORE``,
+        else auto); see ``kvflow.radix``."""
         self.capacities = capacities
         self.pools = [
             BlockPool(capacities[t], Tier(t).name.lower()) for t in (0, 1, 2)
         ]
-        self.index = PrefixIndex([capacities[t] for t in (0, 1, 2)], eviction)
+        self.index = PrefixIndex([capacities[t] for t in (0, 1, 2)], eviction, index_core)
         self.write_policy = (
             WritePolicy(write_policy) if isinstance(write_policy, str) else write_policy
         )
@@ -246,10 +249,8 @@ class CacheManager:
                                          and n.inflight[HOST].kind is OpKind.PREFETCH):  # type: ignore[union-attr]
                     del matched[i:]
                     break
-        ref = index.ref
-        for n in matched:
-            ref(n)
-        tiers = [n.best_tier() for n in matched]
+        index.ref_all(matched)
+        tiers = index.best_tiers(matched)
         ops: list[TransferOp] = []
         # Storage hits need a host block to land in (where there is a host tier);
         # those that cannot get one are recomputed instead. Prefetch room comes
@@ -327,14 +328,11 @@ class CacheManager:
         new_keys = keys[start:]
         new_ids = dev_ids[extra_blocks:]
         new_ids.reverse()
-        assert len(new_ids) == len(new_keys), (new_ids, new_keys)
         device_ids += new_ids
         plan.extra_ids = dev_ids[:extra_blocks]
-        cut = self._first_taken(new_keys)
-        if cut < len(new_keys):
-            plan.private.extend(range(start + cut, len(keys)))
-            new_keys, new_ids = new_keys[:cut], new_ids[:cut]
         created = index.add_computing(matched[-1] if matched else None, new_keys, new_ids, now)
+        if len(created) < len(new_keys):
+            plan.private.extend(range(start + len(created), len(keys)))
         plan.nodes += created
         plan.computing += created
 
@@ -346,18 +344,6 @@ class CacheManager:
             for t in (0, 1, 2):
                 hits[t] += tiers.count(t)
         return plan
-
-    def _first_taken(self, keys: tuple[Hashable, ...]) -> int:
-        """Position of the first key that is indexed already or repeats an earlier one."""
-        nodes = self.index.nodes
-        if nodes.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-            return len(keys)
-        seen = set()
-        for i, key in enumerate(keys):
-            if key in nodes or key in seen:
-                return i
-            seen.add(key)
-        return len(keys)
 
     def _room(self, tier: int) -> int:
         """Blocks a tier could hand out now: free ones plus unreferenced ready ones."""
@@ -551,8 +537,7 @@ class CacheManager:
             index = self.index
             released = index.release(plan.nodes[::-1])  # tail-first
             # A shared load failed and nobody recomputed the block: it goes.
-            orphans = [n for n in released if n.state[0] == COMPUTING]
-            for node in orphans:
+            for node in index.computing_on_device(released):
                 if node.key in index.nodes and node.state[0] == COMPUTING:
                     self._drop_with_subtree(node, DEVICE)
         else:

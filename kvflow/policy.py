@@ -9,13 +9,34 @@ Write and prefetch policies are plain data read by the manager and runtime.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from itertools import islice
+from types import ModuleType
 from typing import Any, Protocol
 
 from kvflow.errors import ConfigError
+
+
+def _load_native_core() -> ModuleType | None:
+    """The compiled index core, or None where it was not built (a source checkout
+    used without ``pip install``). A build that fails to load is worth a warning:
+    everything still works, only slower."""
+    try:
+        from kvflow import _index_core
+    except ModuleNotFoundError:
+        return None
+    except ImportError as e:
+        warnings.warn(f"kvflow._index_core did not load ({e}); using the Python index core",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return _index_core
+
+
+#: ``kvflow._index_core`` where it was built, else None (see ``kvflow.radix``).
+NATIVE_CORE = _load_native_core()
 
 
 class EvictionPolicy(Protocol):
@@ -119,6 +140,30 @@ class LRU:
 
     def tracked(self) -> set[Any]:
         return set(self._order)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The order, front (next victim) first."""
+        return iter(list(self._order))
+
+
+if NATIVE_CORE is not None:
+
+    class LinkedLRU(NATIVE_CORE.LinkedLRU):  # type: ignore[name-defined,misc]
+        """``LRU`` for the native core's nodes: the same order, kept as a list linked
+        through the nodes themselves (no dict), one per tier, hence ``tier``."""
+
+        def candidates(self) -> Iterator[Any]:
+            """As ``LRU.candidates``: a declined node moves behind the rest."""
+            for _ in range(len(self)):
+                node = self.first()
+                if node is None:
+                    return
+                yield node
+                if self.holds(node):
+                    self.move_to_end(node)
+
+else:
+    LinkedLRU = None  # type: ignore[assignment,misc]
 
 
 class LFU:

@@ -61,3 +61,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("virtual_time") and item.get_closest_marker("asyncio"):
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["python", "native"])
+def core(request: pytest.FixtureRequest) -> str:
+    """Each index core in turn (``PrefixIndex(core=...)``): the native one where it was
+    built (``pip install`` compiles it; ``test_index_core.py`` checks it was, for an
+    installed kvflow), the Python reference always."""
+    from kvflow.radix import NATIVE_CORE
+
+    if request.param == "native" and NATIVE_CORE is None:
+        pytest.skip("kvflow._index_core is not built (kvflow run from a source tree "
+                    "without pip install)")
+    return request.param

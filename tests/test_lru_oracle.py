@@ -35,8 +35,8 @@ def oracle(requests, capacity):
     return hits
 
 
-def through_manager(requests, capacity):
-    m = CacheManager(Capacities(capacity), eviction="lru")
+def through_manager(requests, capacity, core):
+    m = CacheManager(Capacities(capacity), eviction="lru", index_core=core)
     for i, ids in enumerate(requests):
         p = m.plan(i, ids[:capacity])  # what does not fit is recomputed, uncached
         m.commit(p)
@@ -51,18 +51,18 @@ def load(path):
 
 
 @pytest.mark.parametrize("capacity", [64, 512, 4096])
-def test_sample_trace(capacity):
+def test_sample_trace(capacity, core):
     reqs = load(sample_path("conversation_1k.jsonl"))
-    assert through_manager(reqs, capacity) == oracle(reqs, capacity)
+    assert through_manager(reqs, capacity, core) == oracle(reqs, capacity)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("capacity", [1000, 5000, 20000])
-def test_full_conversation_trace(capacity):
+def test_full_conversation_trace(capacity, core):
     path = SHARED / "conversation_trace.jsonl"
     if not path.exists():
         pytest.skip(f"shared trace not found at {path}")
     reqs = load(path)
     hits = oracle(reqs, capacity)
     assert hits > 0
-    assert through_manager(reqs, capacity) == hits
+    assert through_manager(reqs, capacity, core) == hits

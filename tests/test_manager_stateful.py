@@ -27,7 +27,10 @@ from hypothesis.stateful import (
 from kvflow.errors import NotEnoughBlocks
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import WritePolicy
-from kvflow.radix import ABSENT, COMPUTING, Tier
+from kvflow.radix import ABSENT, COMPUTING, NATIVE_CORE, Tier
+
+# Both index cores where the native one was built (test_index_core.py says when it must be).
+CORES = ["python", "native"] if NATIVE_CORE is not None else ["python"]
 
 prompts = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(
     lambda syms: tuple(tuple(syms[: i + 1]) for i in range(len(syms)))
@@ -44,11 +47,13 @@ class ManagerMachine(RuleBasedStateMachine):
         write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         threshold=st.integers(0, 2),
         prefetch=st.sampled_from(["best_effort", "wait_complete"]),
+        core=st.sampled_from(CORES),
     )
-    def setup(self, dev, host, storage, eviction, write, threshold, prefetch):
+    def setup(self, dev, host, storage, eviction, write, threshold, prefetch, core):
         self.m = CacheManager(
             Capacities(dev, host, storage), eviction=eviction,
-            write_policy=WritePolicy(write, threshold=threshold), prefetch_policy=prefetch)
+            write_policy=WritePolicy(write, threshold=threshold), prefetch_policy=prefetch,
+            index_core=core)
         # As the engine does: best effort uses only what has reached host by now.
         self.use_storage = prefetch != "best_effort"
         self.open = []

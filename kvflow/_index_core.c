@@ -1,0 +1,1534 @@
+/* The prefix index's per-request loops in C: nodes as C structs, an intrusive LRU.
+ *
+ * Why native: every block of every request passes through match, ref, add,
+ * commit, release and eviction, and the benchmark target (bench_index.py:
+ * within 3x of a bare OrderedDict LRU) is out of reach for any per-block
+ * Python object (benchmarks/RESULTS.md, issue 2). This module implements
+ * exactly the API of kvflow/index_core.py, the pure-Python reference, which
+ * stays the fallback where no compiler ran and the oracle the tests compare
+ * this against.
+ *
+ * Ownership: the index's dict owns its nodes; a node owns its key, its parent
+ * and its in-flight op list; a LinkedLRU owns one reference to every node on
+ * its list (links themselves are borrowed pointers inside the nodes).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+/* Copy states: must equal kvflow.index_core's (checked at import). */
+#define ABSENT 0
+#define READY 1
+#define FILLING 2
+#define COMPUTING 3
+#define NTIERS 3
+#define USABLE(s) ((s) == READY || (s) == FILLING)
+
+static PyObject *NO_INFLIGHT;  /* kvflow.index_core.NO_INFLIGHT */
+static PyObject *STATE_NAMES;  /* kvflow.index_core.STATE_NAMES */
+static PyObject *TIER_NAMES;   /* kvflow.index_core.TIER_NAMES */
+static PyObject *s_ref, *s_insert, *s_unref_all, *s_pop_front, *s_push_front,
+    *s_orders_referenced;
+
+/* ------------------------------------------------------------------ Node */
+
+typedef struct NodeObject {
+    PyObject_HEAD
+    PyObject *key;
+    struct NodeObject *parent;  /* NULL: a root block */
+    PyObject *inflight;         /* NULL: no op ever (reads as NO_INFLIGHT) */
+    Py_ssize_t depth, children, ref, hits, last_access;
+    long loc[NTIERS];
+    int state[NTIERS];
+    /* Links of the LinkedLRU that orders this node's copy on each tier. */
+    struct NodeObject *prev[NTIERS], *next[NTIERS];
+    unsigned char linked;       /* bit t: on tier t's LinkedLRU */
+} NodeObject;
+
+static PyTypeObject NodeType;
+static PyTypeObject TripleType;
+
+static NodeObject *
+node_new_raw(PyObject *key, NodeObject *parent)
+{
+    NodeObject *n = PyObject_GC_New(NodeObject, &NodeType);
+    if (n == NULL)
+        return NULL;
+    Py_INCREF(key);
+    n->key = key;
+    Py_XINCREF(parent);
+    n->parent = parent;
+    n->inflight = NULL;
+    n->depth = parent == NULL ? 0 : parent->depth + 1;
+    n->children = n->ref = n->hits = n->last_access = 0;
+    for (int t = 0; t < NTIERS; t++) {
+        n->loc[t] = -1;
+        n->state[t] = ABSENT;
+        n->prev[t] = n->next[t] = NULL;
+    }
+    n->linked = 0;
+    PyObject_GC_Track(n);
+    return n;
+}
+
+static int
+node_check(PyObject *o)
+{
+    if (Py_IS_TYPE(o, &NodeType))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "expected a native index Node, got %.100s",
+                 Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+static PyObject *
+Node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"key", "parent", "device_id", "device_state", NULL};
+    PyObject *key, *parent = Py_None;
+    long device_id = -1;
+    int device_state = ABSENT;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Oli:Node", kwlist, &key, &parent,
+                                     &device_id, &device_state))
+        return NULL;
+    if (parent != Py_None && node_check(parent) < 0)
+        return NULL;
+    if (device_state < ABSENT || device_state > COMPUTING) {
+        PyErr_Format(PyExc_ValueError, "device_state must be 0..3, got %d", device_state);
+        return NULL;
+    }
+    if (PyObject_Hash(key) == -1)
+        return NULL;
+    NodeObject *n = node_new_raw(key, parent == Py_None ? NULL : (NodeObject *)parent);
+    if (n == NULL)
+        return NULL;
+    n->loc[0] = device_id;
+    n->state[0] = device_state;
+    return (PyObject *)n;
+}
+
+static int
+Node_traverse(NodeObject *n, visitproc visit, void *arg)
+{
+    Py_VISIT(n->key);
+    Py_VISIT(n->parent);
+    Py_VISIT(n->inflight);
+    return 0;
+}
+
+static int
+Node_clear(NodeObject *n)
+{
+    Py_CLEAR(n->inflight);
+    Py_CLEAR(n->parent);
+    Py_CLEAR(n->key);
+    return 0;
+}
+
+static void
+Node_dealloc(NodeObject *n)
+{
+    PyObject_GC_UnTrack(n);
+    Py_TRASHCAN_BEGIN(n, Node_dealloc)
+    Node_clear(n);
+    PyObject_GC_Del(n);
+    Py_TRASHCAN_END
+}
+
+static PyObject *
+Node_get_key(NodeObject *n, void *c)
+{
+    return Py_NewRef(n->key);
+}
+
+static PyObject *
+Node_get_parent(NodeObject *n, void *c)
+{
+    return Py_NewRef(n->parent ? (PyObject *)n->parent : Py_None);
+}
+
+static int
+Node_set_parent(NodeObject *n, PyObject *v, void *c)
+{
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete parent");
+        return -1;
+    }
+    if (v != Py_None && node_check(v) < 0)
+        return -1;
+    NodeObject *old = n->parent;
+    n->parent = v == Py_None ? NULL : (NodeObject *)Py_NewRef(v);
+    Py_XDECREF(old);
+    return 0;
+}
+
+static PyObject *
+Node_get_inflight(NodeObject *n, void *c)
+{
+    return Py_NewRef(n->inflight ? n->inflight : NO_INFLIGHT);
+}
+
+static int
+Node_set_inflight(NodeObject *n, PyObject *v, void *c)
+{
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete inflight");
+        return -1;
+    }
+    PyObject *old = n->inflight;
+    n->inflight = v == NO_INFLIGHT ? NULL : Py_NewRef(v);
+    Py_XDECREF(old);
+    return 0;
+}
+
+/* ``loc`` and ``state`` read as small mutable sequences that write through. */
+typedef struct {
+    PyObject_HEAD
+    NodeObject *node;
+    int is_state;
+} TripleObject;
+
+static PyObject *
+triple_new(NodeObject *n, int is_state)
+{
+    TripleObject *t = PyObject_New(TripleObject, &TripleType);
+    if (t == NULL)
+        return NULL;
+    t->node = (NodeObject *)Py_NewRef(n);
+    t->is_state = is_state;
+    return (PyObject *)t;
+}
+
+static int
+triple_store(NodeObject *n, int is_state, Py_ssize_t i, PyObject *v)
+{
+    long x = PyLong_AsLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    if (is_state) {
+        if (x < ABSENT || x > COMPUTING) {
+            PyErr_Format(PyExc_ValueError, "copy state must be 0..3, got %ld", x);
+            return -1;
+        }
+        n->state[i] = (int)x;
+    }
+    else {
+        n->loc[i] = x;
+    }
+    return 0;
+}
+
+static int
+triple_assign_all(NodeObject *n, int is_state, PyObject *v)
+{
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete a node's loc or state");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(v, "loc and state take a sequence of 3 ints");
+    if (seq == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != NTIERS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "loc and state take a sequence of 3 ints");
+        return -1;
+    }
+    NodeObject saved = *n;
+    for (Py_ssize_t i = 0; i < NTIERS; i++) {
+        if (triple_store(n, is_state, i, PySequence_Fast_GET_ITEM(seq, i)) < 0) {
+            memcpy(n->loc, saved.loc, sizeof n->loc);  /* all or nothing */
+            memcpy(n->state, saved.state, sizeof n->state);
+            Py_DECREF(seq);
+            return -1;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+}
+
+static PyObject *
+Node_get_loc(NodeObject *n, void *c)
+{
+    return triple_new(n, 0);
+}
+
+static int
+Node_set_loc(NodeObject *n, PyObject *v, void *c)
+{
+    return triple_assign_all(n, 0, v);
+}
+
+static PyObject *
+Node_get_state(NodeObject *n, void *c)
+{
+    return triple_new(n, 1);
+}
+
+static int
+Node_set_state(NodeObject *n, PyObject *v, void *c)
+{
+    return triple_assign_all(n, 1, v);
+}
+
+static int
+node_matchable(NodeObject *n)
+{
+    if (n->state[0] == COMPUTING)
+        return 0;
+    for (int t = 0; t < NTIERS; t++)
+        if (USABLE(n->state[t]))
+            return 1;
+    return 0;
+}
+
+static int
+node_best_tier(NodeObject *n)
+{
+    if (n->state[0] == COMPUTING)
+        return -1;
+    for (int t = 0; t < NTIERS; t++)
+        if (USABLE(n->state[t]))
+            return t;
+    return -1;
+}
+
+static PyObject *
+Node_get_matchable(NodeObject *n, void *c)
+{
+    return PyBool_FromLong(node_matchable(n));
+}
+
+static PyObject *
+Node_best_tier(NodeObject *n, PyObject *unused)
+{
+    return PyLong_FromLong(node_best_tier(n));
+}
+
+static PyObject *
+Node_repr(NodeObject *n)
+{
+    PyObject *parts = PyList_New(0);
+    if (parts == NULL)
+        return NULL;
+    for (int t = 0; t < NTIERS; t++) {
+        if (n->state[t] == ABSENT)
+            continue;
+        PyObject *s = PyUnicode_FromFormat(
+            "%U:%ld:%U", PyTuple_GET_ITEM(TIER_NAMES, t), n->loc[t],
+            PyTuple_GET_ITEM(STATE_NAMES, n->state[t]));
+        if (s == NULL || PyList_Append(parts, s) < 0) {
+            Py_XDECREF(s);
+            Py_DECREF(parts);
+            return NULL;
+        }
+        Py_DECREF(s);
+    }
+    PyObject *where;
+    if (PyList_GET_SIZE(parts) == 0) {
+        where = PyUnicode_FromString("nowhere");
+    }
+    else {
+        PyObject *sep = PyUnicode_FromString("/");
+        where = sep ? PyUnicode_Join(sep, parts) : NULL;
+        Py_XDECREF(sep);
+    }
+    Py_DECREF(parts);
+    if (where == NULL)
+        return NULL;
+    PyObject *r = PyUnicode_FromFormat("Node(%R, depth=%zd, ref=%zd, %U)", n->key,
+                                       n->depth, n->ref, where);
+    Py_DECREF(where);
+    return r;
+}
+
+static PyMemberDef Node_members[] = {
+    {"depth", T_PYSSIZET, offsetof(NodeObject, depth), 0, NULL},
+    {"children", T_PYSSIZET, offsetof(NodeObject, children), 0, NULL},
+    {"ref", T_PYSSIZET, offsetof(NodeObject, ref), 0, NULL},
+    {"hits", T_PYSSIZET, offsetof(NodeObject, hits), 0, NULL},
+    {"last_access", T_PYSSIZET, offsetof(NodeObject, last_access), 0, NULL},
+    {NULL},
+};
+
+static PyGetSetDef Node_getset[] = {
+    {"key", (getter)Node_get_key, NULL, NULL, NULL},
+    {"parent", (getter)Node_get_parent, (setter)Node_set_parent, NULL, NULL},
+    {"inflight", (getter)Node_get_inflight, (setter)Node_set_inflight, NULL, NULL},
+    {"loc", (getter)Node_get_loc, (setter)Node_set_loc, NULL, NULL},
+    {"state", (getter)Node_get_state, (setter)Node_set_state, NULL, NULL},
+    {"matchable", (getter)Node_get_matchable, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyMethodDef Node_methods[] = {
+    {"best_tier", (PyCFunction)Node_best_tier, METH_NOARGS,
+     "Fastest tier holding a matchable copy, or -1."},
+    {NULL},
+};
+
+static PyTypeObject NodeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvflow._index_core.Node",
+    .tp_doc = "One full block of some prompt prefix (a C struct; see index_core.Node).",
+    .tp_basicsize = sizeof(NodeObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Node_tp_new,
+    .tp_dealloc = (destructor)Node_dealloc,
+    .tp_traverse = (traverseproc)Node_traverse,
+    .tp_clear = (inquiry)Node_clear,
+    .tp_repr = (reprfunc)Node_repr,
+    .tp_members = Node_members,
+    .tp_getset = Node_getset,
+    .tp_methods = Node_methods,
+};
+
+/* ---------------------------------------------------------------- Triple */
+
+static void
+Triple_dealloc(TripleObject *t)
+{
+    Py_DECREF(t->node);
+    PyObject_Free(t);
+}
+
+static Py_ssize_t
+Triple_len(TripleObject *t)
+{
+    return NTIERS;
+}
+
+static PyObject *
+Triple_item(TripleObject *t, Py_ssize_t i)
+{
+    if (i < 0 || i >= NTIERS) {
+        PyErr_SetString(PyExc_IndexError, "tier index out of range");
+        return NULL;
+    }
+    return PyLong_FromLong(t->is_state ? t->node->state[i] : t->node->loc[i]);
+}
+
+static int
+Triple_ass_item(TripleObject *t, Py_ssize_t i, PyObject *v)
+{
+    if (i < 0 || i >= NTIERS) {
+        PyErr_SetString(PyExc_IndexError, "tier index out of range");
+        return -1;
+    }
+    if (v == NULL) {
+        PyErr_SetString(PyExc_TypeError, "a node's loc and state have no deletable items");
+        return -1;
+    }
+    return triple_store(t->node, t->is_state, i, v);
+}
+
+static PyObject *
+triple_as_list(TripleObject *t)
+{
+    PyObject *l = PyList_New(NTIERS);
+    if (l == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < NTIERS; i++) {
+        PyObject *x = Triple_item(t, i);
+        if (x == NULL) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, i, x);
+    }
+    return l;
+}
+
+static PyObject *
+Triple_richcompare(TripleObject *t, PyObject *other, int op)
+{
+    PyObject *mine = triple_as_list(t);
+    if (mine == NULL)
+        return NULL;
+    PyObject *theirs;
+    if (Py_IS_TYPE(other, &TripleType))
+        theirs = triple_as_list((TripleObject *)other);
+    else if (PyList_Check(other))
+        theirs = Py_NewRef(other);
+    else if (PyTuple_Check(other))
+        theirs = PySequence_List(other);
+    else {
+        Py_DECREF(mine);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if (theirs == NULL) {
+        Py_DECREF(mine);
+        return NULL;
+    }
+    PyObject *r = PyObject_RichCompare(mine, theirs, op);
+    Py_DECREF(mine);
+    Py_DECREF(theirs);
+    return r;
+}
+
+static PyObject *
+Triple_repr(TripleObject *t)
+{
+    PyObject *l = triple_as_list(t);
+    if (l == NULL)
+        return NULL;
+    PyObject *r = PyObject_Repr(l);
+    Py_DECREF(l);
+    return r;
+}
+
+static PySequenceMethods Triple_as_sequence = {
+    .sq_length = (lenfunc)Triple_len,
+    .sq_item = (ssizeargfunc)Triple_item,
+    .sq_ass_item = (ssizeobjargproc)Triple_ass_item,
+};
+
+static PyTypeObject TripleType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvflow._index_core.Triple",
+    .tp_doc = "A node's per-tier block ids or copy states, written through to the node.",
+    .tp_basicsize = sizeof(TripleObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Triple_dealloc,
+    .tp_as_sequence = &Triple_as_sequence,
+    .tp_richcompare = (richcmpfunc)Triple_richcompare,
+    .tp_repr = (reprfunc)Triple_repr,
+    .tp_hash = PyObject_HashNotImplemented,
+};
+
+/* ------------------------------------------------------------- LinkedLRU */
+
+typedef struct {
+    PyObject_HEAD
+    int tier;
+    NodeObject *head, *tail;
+    Py_ssize_t size;
+} LRUObject;
+
+static PyTypeObject LRUType;
+
+/* Append (steals nothing: takes its own reference). */
+static void
+lru_append(LRUObject *o, NodeObject *n)
+{
+    int t = o->tier;
+    Py_INCREF(n);
+    n->linked |= 1 << t;
+    n->next[t] = NULL;
+    n->prev[t] = o->tail;
+    if (o->tail)
+        o->tail->next[t] = n;
+    else
+        o->head = n;
+    o->tail = n;
+    o->size++;
+}
+
+static void
+lru_prepend(LRUObject *o, NodeObject *n)
+{
+    int t = o->tier;
+    Py_INCREF(n);
+    n->linked |= 1 << t;
+    n->prev[t] = NULL;
+    n->next[t] = o->head;
+    if (o->head)
+        o->head->prev[t] = n;
+    else
+        o->tail = n;
+    o->head = n;
+    o->size++;
+}
+
+/* Unlink; the caller inherits the list's reference. */
+static void
+lru_unlink(LRUObject *o, NodeObject *n)
+{
+    int t = o->tier;
+    if (n->prev[t])
+        n->prev[t]->next[t] = n->next[t];
+    else
+        o->head = n->next[t];
+    if (n->next[t])
+        n->next[t]->prev[t] = n->prev[t];
+    else
+        o->tail = n->prev[t];
+    n->prev[t] = n->next[t] = NULL;
+    n->linked &= ~(1 << t);
+    o->size--;
+}
+
+#define LINKED(o, n) (((n)->linked >> (o)->tier) & 1)
+
+static PyObject *
+LRU_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"tier", NULL};
+    int tier;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:LinkedLRU", kwlist, &tier))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) {
+        PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %d", tier);
+        return NULL;
+    }
+    LRUObject *o = (LRUObject *)type->tp_alloc(type, 0);
+    if (o == NULL)
+        return NULL;
+    o->tier = tier;
+    o->head = o->tail = NULL;
+    o->size = 0;
+    return (PyObject *)o;
+}
+
+static int
+LRU_traverse(LRUObject *o, visitproc visit, void *arg)
+{
+    for (NodeObject *n = o->head; n; n = n->next[o->tier])
+        Py_VISIT(n);
+    return 0;
+}
+
+static int
+LRU_clear(LRUObject *o)
+{
+    while (o->head) {
+        NodeObject *n = o->head;
+        lru_unlink(o, n);
+        Py_DECREF(n);
+    }
+    return 0;
+}
+
+/* A Python subclass's instances come here through subtype_dealloc, which drops
+ * their reference to the subclass itself. */
+static void
+LRU_dealloc(LRUObject *o)
+{
+    PyObject_GC_UnTrack(o);
+    LRU_clear(o);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+static PyObject *
+LRU_insert(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (n->ref == 0 && !LINKED(o, n))
+        lru_append(o, n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_remove(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (LINKED(o, n)) {
+        lru_unlink(o, n);
+        Py_DECREF(n);
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+lru_ref(LRUObject *o, NodeObject *n)
+{
+    if (!LINKED(o, n)) {
+        PyErr_SetObject(PyExc_KeyError, (PyObject *)n);
+        return -1;
+    }
+    lru_unlink(o, n);
+    Py_DECREF(n);
+    return 0;
+}
+
+static PyObject *
+LRU_ref(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0 || lru_ref(o, (NodeObject *)arg) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_unref(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    if (!LINKED(o, (NodeObject *)arg))
+        lru_append(o, (NodeObject *)arg);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_unref_all(LRUObject *o, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "unref_all takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (node_check(items[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (!LINKED(o, (NodeObject *)items[i]))
+            lru_append(o, (NodeObject *)items[i]);
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_first(LRUObject *o, PyObject *unused)
+{
+    return Py_NewRef(o->head ? (PyObject *)o->head : Py_None);
+}
+
+static PyObject *
+LRU_pop_front(LRUObject *o, PyObject *arg)
+{
+    Py_ssize_t k = PyLong_AsSsize_t(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    if (k > o->size)
+        k = o->size;
+    if (k < 0)
+        k = 0;
+    PyObject *out = PyList_New(k);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        NodeObject *n = o->head;
+        lru_unlink(o, n);
+        PyList_SET_ITEM(out, i, (PyObject *)n);  /* the list's reference moves over */
+    }
+    return out;
+}
+
+static PyObject *
+LRU_push_front(LRUObject *o, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "push_front takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (node_check(items[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    for (Py_ssize_t i = len - 1; i >= 0; i--) {
+        NodeObject *n = (NodeObject *)items[i];
+        if (LINKED(o, n)) {  /* as OrderedDict.move_to_end(last=False) */
+            lru_unlink(o, n);
+            Py_DECREF(n);
+        }
+        lru_prepend(o, n);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_move_to_end(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (!LINKED(o, n)) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        return NULL;
+    }
+    lru_unlink(o, n);
+    lru_append(o, n);
+    Py_DECREF(n);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+LRU_holds(LRUObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    return PyBool_FromLong(LINKED(o, (NodeObject *)arg));
+}
+
+static PyObject *
+lru_as_list(LRUObject *o)
+{
+    PyObject *out = PyList_New(o->size);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    for (NodeObject *n = o->head; n; n = n->next[o->tier])
+        PyList_SET_ITEM(out, i++, Py_NewRef(n));
+    return out;
+}
+
+static PyObject *
+LRU_tracked(LRUObject *o, PyObject *unused)
+{
+    PyObject *l = lru_as_list(o);
+    if (l == NULL)
+        return NULL;
+    PyObject *s = PySet_New(l);
+    Py_DECREF(l);
+    return s;
+}
+
+static PyObject *
+LRU_iter(LRUObject *o)
+{
+    PyObject *l = lru_as_list(o);
+    if (l == NULL)
+        return NULL;
+    PyObject *it = PyObject_GetIter(l);
+    Py_DECREF(l);
+    return it;
+}
+
+static Py_ssize_t
+LRU_len(LRUObject *o)
+{
+    return o->size;
+}
+
+static PyObject *
+LRU_get_tier(LRUObject *o, void *c)
+{
+    return PyLong_FromLong(o->tier);
+}
+
+static PyMethodDef LRU_methods[] = {
+    {"insert", (PyCFunction)LRU_insert, METH_O, "Order a ready copy (if unreferenced)."},
+    {"remove", (PyCFunction)LRU_remove, METH_O, "Forget a copy (if ordered)."},
+    {"ref", (PyCFunction)LRU_ref, METH_O, "The node's reference count left 0: unorder it."},
+    {"unref", (PyCFunction)LRU_unref, METH_O, "The node's reference count reached 0."},
+    {"unref_all", (PyCFunction)LRU_unref_all, METH_O, "unref each, in order."},
+    {"first", (PyCFunction)LRU_first, METH_NOARGS, "The first candidate, in O(1)."},
+    {"pop_front", (PyCFunction)LRU_pop_front, METH_O, "Remove and return the first k."},
+    {"push_front", (PyCFunction)LRU_push_front, METH_O, "Undo pop_front for these nodes."},
+    {"move_to_end", (PyCFunction)LRU_move_to_end, METH_O, "Move an ordered node last."},
+    {"holds", (PyCFunction)LRU_holds, METH_O, "Whether the node is ordered here."},
+    {"tracked", (PyCFunction)LRU_tracked, METH_NOARGS, "The ordered nodes, as a set."},
+    {NULL},
+};
+
+static PyGetSetDef LRU_getset[] = {
+    {"tier", (getter)LRU_get_tier, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PySequenceMethods LRU_as_sequence = {
+    .sq_length = (lenfunc)LRU_len,
+};
+
+static PyTypeObject LRUType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvflow._index_core.LinkedLRU",
+    .tp_doc = "LRU order of one tier's unreferenced copies, linked through the nodes.",
+    .tp_basicsize = sizeof(LRUObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_new = LRU_tp_new,
+    .tp_dealloc = (destructor)LRU_dealloc,
+    .tp_traverse = (traverseproc)LRU_traverse,
+    .tp_clear = (inquiry)LRU_clear,
+    .tp_iter = (getiterfunc)LRU_iter,
+    .tp_as_sequence = &LRU_as_sequence,
+    .tp_methods = LRU_methods,
+    .tp_getset = LRU_getset,
+};
+
+/* ------------------------------------------------------------------ Core */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *nodes;        /* dict key -> Node */
+    PyObject *policies;     /* list of 3 policies */
+    PyObject *unreferenced; /* list of 3 ints */
+    LRUObject *lru[NTIERS]; /* borrowed from policies: the LinkedLRUs, else NULL */
+    int orders_referenced[NTIERS];
+    int active[NTIERS];     /* tiers with capacity */
+} CoreObject;
+
+static PyObject *
+Core_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"nodes", "policies", "unreferenced", "tiers", NULL};
+    PyObject *nodes, *policies, *unref, *tiers;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O:Core", kwlist, &PyDict_Type, &nodes,
+                                     &PyList_Type, &policies, &PyList_Type, &unref, &tiers))
+        return NULL;
+    if (PyList_GET_SIZE(policies) != NTIERS || PyList_GET_SIZE(unref) != NTIERS) {
+        PyErr_SetString(PyExc_ValueError, "Core needs 3 policies and 3 unreferenced counts");
+        return NULL;
+    }
+    CoreObject *c = (CoreObject *)type->tp_alloc(type, 0);
+    if (c == NULL)
+        return NULL;
+    c->nodes = Py_NewRef(nodes);
+    c->policies = Py_NewRef(policies);
+    c->unreferenced = Py_NewRef(unref);
+    for (int t = 0; t < NTIERS; t++) {
+        PyObject *p = PyList_GET_ITEM(policies, t);
+        c->lru[t] = PyObject_TypeCheck(p, &LRUType) ? (LRUObject *)p : NULL;
+        if (c->lru[t] && c->lru[t]->tier != t) {
+            PyErr_Format(PyExc_ValueError, "the LinkedLRU of tier %d links tier %d", t,
+                         c->lru[t]->tier);
+            Py_DECREF(c);
+            return NULL;
+        }
+        PyObject *o = PyObject_GetAttr(p, s_orders_referenced);
+        int r = o ? PyObject_IsTrue(o) : -1;
+        Py_XDECREF(o);
+        if (r < 0) {
+            Py_DECREF(c);
+            return NULL;
+        }
+        c->orders_referenced[t] = r;
+        c->active[t] = 0;
+    }
+    PyObject *seq = PySequence_Fast(tiers, "tiers must be a sequence of tier numbers");
+    if (seq == NULL) {
+        Py_DECREF(c);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        long t = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (t < 0 || t >= NTIERS) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %ld", t);
+            Py_DECREF(seq);
+            Py_DECREF(c);
+            return NULL;
+        }
+        c->active[t] = 1;
+    }
+    Py_DECREF(seq);
+    return (PyObject *)c;
+}
+
+static int
+Core_traverse(CoreObject *c, visitproc visit, void *arg)
+{
+    Py_VISIT(c->nodes);
+    Py_VISIT(c->policies);
+    Py_VISIT(c->unreferenced);
+    return 0;
+}
+
+static int
+Core_clear(CoreObject *c)
+{
+    for (int t = 0; t < NTIERS; t++)
+        c->lru[t] = NULL;
+    Py_CLEAR(c->nodes);
+    Py_CLEAR(c->policies);
+    Py_CLEAR(c->unreferenced);
+    return 0;
+}
+
+static void
+Core_dealloc(CoreObject *c)
+{
+    PyObject_GC_UnTrack(c);
+    Core_clear(c);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+/* unreferenced[t] += delta */
+static int
+core_add_unreferenced(CoreObject *c, int t, Py_ssize_t delta)
+{
+    if (delta == 0)
+        return 0;
+    PyObject *old = PyList_GET_ITEM(c->unreferenced, t);
+    Py_ssize_t v = PyLong_AsSsize_t(old);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *nv = PyLong_FromSsize_t(v + delta);
+    if (nv == NULL)
+        return -1;
+    PyList_SetItem(c->unreferenced, t, nv);  /* steals nv, drops old */
+    return 0;
+}
+
+/* Every item a Node; returns a new reference to a fast sequence, or NULL. */
+static PyObject *
+node_seq(PyObject *arg, const char *what)
+{
+    PyObject *seq = PySequence_Fast(arg, what);
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (node_check(items[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    return seq;
+}
+
+static PyObject *
+Core_match(CoreObject *c, PyObject *keys)
+{
+    PyObject *seq = PySequence_Fast(keys, "match takes a sequence of keys");
+    if (seq == NULL)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        goto fail;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *n = PyDict_GetItemWithError(c->nodes, items[i]);
+        if (n == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            break;
+        }
+        if (node_check(n) < 0)
+            goto fail;
+        if (((NodeObject *)n)->state[0] == COMPUTING)
+            break;
+        if (PyList_Append(out, n) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return out;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* Take one reference; its READY copies leave the orders that skip referenced nodes. */
+static int
+core_ref_one(CoreObject *c, NodeObject *n, Py_ssize_t *delta)
+{
+    if (n->ref == 0) {
+        for (int t = 0; t < NTIERS; t++) {
+            if (n->state[t] != READY)
+                continue;
+            delta[t]--;
+            if (c->lru[t]) {
+                if (lru_ref(c->lru[t], n) < 0)
+                    return -1;
+            }
+            else {
+                PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(c->policies, t), s_ref,
+                                                        (PyObject *)n);
+                if (r == NULL)
+                    return -1;
+                Py_DECREF(r);
+            }
+        }
+    }
+    n->ref++;
+    return 0;
+}
+
+static int
+core_apply(CoreObject *c, Py_ssize_t *delta)
+{
+    for (int t = 0; t < NTIERS; t++)
+        if (core_add_unreferenced(c, t, delta[t]) < 0)
+            return -1;
+    return 0;
+}
+
+static PyObject *
+Core_ref_all(CoreObject *c, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "ref_all takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t delta[NTIERS] = {0, 0, 0};
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    int err = 0;
+    for (Py_ssize_t i = 0; i < len && !err; i++)
+        err = core_ref_one(c, (NodeObject *)items[i], delta);
+    Py_DECREF(seq);
+    if (err) {  /* keep the counts true to what was done */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        core_apply(c, delta);
+        PyErr_Restore(et, ev, tb);
+        return NULL;
+    }
+    if (core_apply(c, delta) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_best_tiers(CoreObject *c, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "best_tiers takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(len);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *v = PyLong_FromLong(node_best_tier((NodeObject *)items[i]));
+        if (v == NULL) {
+            Py_DECREF(seq);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *
+Core_computing_on_device(CoreObject *c, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "computing_on_device takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < len; i++)
+        if (((NodeObject *)items[i])->state[0] == COMPUTING && PyList_Append(out, items[i]) < 0)
+            Py_CLEAR(out);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *
+Core_add_computing(CoreObject *c, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"parent", "keys", "device_ids", "now", NULL};
+    PyObject *parent, *keys, *ids;
+    Py_ssize_t now;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOn:add_computing", kwlist, &parent, &keys,
+                                     &ids, &now))
+        return NULL;
+    if (parent != Py_None && node_check(parent) < 0)
+        return NULL;
+    PyObject *kseq = PySequence_Fast(keys, "add_computing takes a sequence of keys");
+    if (kseq == NULL)
+        return NULL;
+    PyObject *iseq = PySequence_Fast(ids, "add_computing takes a sequence of block ids");
+    if (iseq == NULL) {
+        Py_DECREF(kseq);
+        return NULL;
+    }
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(kseq);
+    PyObject *out = NULL;
+    if (PySequence_Fast_GET_SIZE(iseq) != len) {
+        PyErr_Format(PyExc_ValueError, "add_computing: %zd keys but %zd block ids", len,
+                     PySequence_Fast_GET_SIZE(iseq));
+        goto done;
+    }
+    PyObject **kitems = PySequence_Fast_ITEMS(kseq);
+    PyObject **iitems = PySequence_Fast_ITEMS(iseq);
+    /* All ids first: a bad one must not leave half a chain indexed. */
+    long stack_ids[64];
+    long *dev = len <= 64 ? stack_ids : PyMem_Malloc(len * sizeof(long));
+    if (dev == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        dev[i] = PyLong_AsLong(iitems[i]);
+        if (dev[i] == -1 && PyErr_Occurred())
+            goto free_ids;
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        goto free_ids;
+    NodeObject *up = parent == Py_None ? NULL : (NodeObject *)parent;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        NodeObject *n = node_new_raw(kitems[i], up);
+        if (n == NULL)
+            goto fail;
+        n->loc[0] = dev[i];
+        n->state[0] = COMPUTING;
+        n->ref = 1;
+        n->last_access = now;
+        PyObject *had = PyDict_SetDefault(c->nodes, kitems[i], (PyObject *)n);
+        if (had != (PyObject *)n) {  /* indexed already (or an error): stop here */
+            Py_DECREF(n);
+            if (had == NULL)
+                goto fail;
+            break;
+        }
+        if (PyList_Append(out, (PyObject *)n) < 0) {
+            PyDict_DelItem(c->nodes, kitems[i]);
+            Py_DECREF(n);
+            goto fail;
+        }
+        Py_DECREF(n);  /* the dict and the list hold it */
+        if (up)
+            up->children++;
+        up = n;
+    }
+    goto free_ids;
+fail:
+    /* Undo the chain made so far, tail first, so the index is as it was. */
+    if (out) {
+        for (Py_ssize_t i = PyList_GET_SIZE(out) - 1; i >= 0; i--) {
+            NodeObject *n = (NodeObject *)PyList_GET_ITEM(out, i);
+            if (n->parent)
+                n->parent->children--;
+            PyObject *et, *ev, *tb;
+            PyErr_Fetch(&et, &ev, &tb);
+            PyDict_DelItem(c->nodes, n->key);
+            PyErr_Restore(et, ev, tb);
+        }
+        Py_CLEAR(out);
+    }
+free_ids:
+    if (dev != stack_ids)
+        PyMem_Free(dev);
+    if (PyErr_Occurred())
+        Py_CLEAR(out);
+done:
+    Py_DECREF(kseq);
+    Py_DECREF(iseq);
+    return out;
+}
+
+static PyObject *
+Core_mark_computed(CoreObject *c, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "mark_computed takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *policy = PyList_GET_ITEM(c->policies, 0);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        NodeObject *n = (NodeObject *)items[i];
+        n->state[0] = READY;
+        if (!c->orders_referenced[0])
+            continue;  /* the policy would ignore a referenced node until unref */
+        if (c->lru[0]) {
+            if (n->ref == 0 && !LINKED(c->lru[0], n))
+                lru_append(c->lru[0], n);
+            continue;
+        }
+        PyObject *r = PyObject_CallMethodOneArg(policy, s_insert, (PyObject *)n);
+        if (r == NULL) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Core_release(CoreObject *c, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "release takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *released = PyList_New(0);
+    if (released == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        NodeObject *n = (NodeObject *)items[i];
+        Py_ssize_t r = n->ref - 1;
+        if (r < 0) {
+            n->ref = 0;
+            PyErr_Format(PyExc_AssertionError, "ref count of %R would go negative",
+                         (PyObject *)n);
+            goto fail;
+        }
+        n->ref = r;
+        if (r == 0 && PyList_Append(released, (PyObject *)n) < 0)
+            goto fail;
+    }
+    Py_ssize_t nrel = PyList_GET_SIZE(released);
+    for (int t = 0; t < NTIERS && nrel; t++) {
+        if (!c->active[t])
+            continue;
+        Py_ssize_t ready = 0;
+        if (c->lru[t]) {
+            for (Py_ssize_t i = 0; i < nrel; i++) {
+                NodeObject *n = (NodeObject *)PyList_GET_ITEM(released, i);
+                if (n->state[t] == READY) {
+                    ready++;
+                    if (!LINKED(c->lru[t], n))
+                        lru_append(c->lru[t], n);
+                }
+            }
+        }
+        else {
+            PyObject *list = PyList_New(0);
+            if (list == NULL)
+                goto fail;
+            for (Py_ssize_t i = 0; i < nrel; i++) {
+                PyObject *n = PyList_GET_ITEM(released, i);
+                if (((NodeObject *)n)->state[t] == READY && PyList_Append(list, n) < 0) {
+                    Py_DECREF(list);
+                    goto fail;
+                }
+            }
+            ready = PyList_GET_SIZE(list);
+            if (ready) {
+                PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(c->policies, t),
+                                                        s_unref_all, list);
+                if (r == NULL) {
+                    Py_DECREF(list);
+                    goto fail;
+                }
+                Py_DECREF(r);
+            }
+            Py_DECREF(list);
+        }
+        if (core_add_unreferenced(c, t, ready) < 0)
+            goto fail;
+    }
+    Py_DECREF(seq);
+    return released;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(released);
+    return NULL;
+}
+
+/* Drop ``tier``'s copy of a victim taken from the front of the order, if it may go.
+ * Returns 1 (dropped; its block id appended to ids), 0 (may not go), -1 (error). */
+static int
+core_drop_victim(CoreObject *c, NodeObject *n, int tier, PyObject *ids)
+{
+    static const int other[NTIERS][2] = {{1, 2}, {0, 2}, {0, 1}};
+    if (n->ref || n->state[tier] != READY)
+        return 0;
+    int sa = n->state[other[tier][0]], sb = n->state[other[tier][1]];
+    int last = sa == ABSENT && sb == ABSENT;
+    if (last ? n->children != 0 : (n->children && !USABLE(sa) && !USABLE(sb)))
+        return 0;  /* a parent of cached nodes, or its only other copy is being computed */
+    PyObject *id = PyLong_FromLong(n->loc[tier]);
+    if (id == NULL)
+        return -1;
+    if (PyList_Append(ids, id) < 0) {
+        Py_DECREF(id);
+        return -1;
+    }
+    Py_DECREF(id);
+    n->loc[tier] = -1;
+    n->state[tier] = ABSENT;
+    if (n->inflight && PyList_Check(n->inflight) && PyList_GET_SIZE(n->inflight) == NTIERS)
+        PyList_SetItem(n->inflight, tier, Py_NewRef(Py_None));
+    if (last) {  /* its last copy: the node goes */
+        if (n->parent)
+            n->parent->children--;
+        if (PyDict_DelItem(c->nodes, n->key) < 0)
+            return -1;
+    }
+    return 1;
+}
+
+static PyObject *
+Core_drop_front(CoreObject *c, PyObject *args)
+{
+    int tier;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "in:drop_front", &tier, &count))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) {
+        PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %d", tier);
+        return NULL;
+    }
+    PyObject *ids = PyList_New(0);
+    if (ids == NULL)
+        return NULL;
+    LRUObject *lru = c->lru[tier];
+    if (lru) {
+        while (PyList_GET_SIZE(ids) < count && lru->head) {
+            NodeObject *n = lru->head;
+            Py_INCREF(n);  /* ours while we look at it */
+            int r = core_drop_victim(c, n, tier, ids);
+            if (r == 1) {
+                lru_unlink(lru, n);
+                Py_DECREF(n);  /* the list's reference */
+            }
+            Py_DECREF(n);
+            if (r < 0)
+                goto fail;
+            if (r == 0)
+                break;
+        }
+    }
+    else {
+        PyObject *policy = PyList_GET_ITEM(c->policies, tier);
+        PyObject *k_obj = PyLong_FromSsize_t(count);
+        PyObject *taken = k_obj ? PyObject_CallMethodOneArg(policy, s_pop_front, k_obj) : NULL;
+        Py_XDECREF(k_obj);
+        if (taken == NULL)
+            goto fail;
+        if (!PyList_Check(taken)) {
+            Py_DECREF(taken);
+            PyErr_SetString(PyExc_TypeError, "pop_front must return a list");
+            goto fail;
+        }
+        Py_ssize_t k = PyList_GET_SIZE(taken), i = 0;
+        for (; i < k; i++) {
+            PyObject *n = PyList_GET_ITEM(taken, i);
+            int r = node_check(n) < 0 ? -1 : core_drop_victim(c, (NodeObject *)n, tier, ids);
+            if (r < 0) {
+                Py_DECREF(taken);
+                goto fail;
+            }
+            if (r == 0)
+                break;
+        }
+        if (i < k) {
+            PyObject *rest = PyList_GetSlice(taken, i, k);
+            PyObject *r = rest ? PyObject_CallMethodOneArg(policy, s_push_front, rest) : NULL;
+            Py_XDECREF(rest);
+            if (r == NULL) {
+                Py_DECREF(taken);
+                goto fail;
+            }
+            Py_DECREF(r);
+        }
+        Py_DECREF(taken);
+    }
+    if (core_add_unreferenced(c, tier, -PyList_GET_SIZE(ids)) < 0)
+        goto fail;
+    return ids;
+fail:
+    Py_DECREF(ids);
+    return NULL;
+}
+
+static PyMethodDef Core_methods[] = {
+    {"match", (PyCFunction)Core_match, METH_O, NULL},
+    {"ref_all", (PyCFunction)Core_ref_all, METH_O, NULL},
+    {"best_tiers", (PyCFunction)Core_best_tiers, METH_O, NULL},
+    {"computing_on_device", (PyCFunction)Core_computing_on_device, METH_O, NULL},
+    {"add_computing", (PyCFunction)(void (*)(void))Core_add_computing,
+     METH_VARARGS | METH_KEYWORDS, NULL},
+    {"mark_computed", (PyCFunction)Core_mark_computed, METH_O, NULL},
+    {"release", (PyCFunction)Core_release, METH_O, NULL},
+    {"drop_front", (PyCFunction)Core_drop_front, METH_VARARGS, NULL},
+    {NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvflow._index_core.Core",
+    .tp_doc = "The per-request loops of PrefixIndex (see index_core.Core for each one's "
+              "contract).",
+    .tp_basicsize = sizeof(CoreObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Core_tp_new,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_clear = (inquiry)Core_clear,
+    .tp_methods = Core_methods,
+};
+
+/* ---------------------------------------------------------------- module */
+
+static int
+check_constant(PyObject *mod, const char *name, long want)
+{
+    PyObject *v = PyObject_GetAttrString(mod, name);
+    if (v == NULL)
+        return -1;
+    long got = PyLong_AsLong(v);
+    Py_DECREF(v);
+    if (got == -1 && PyErr_Occurred())
+        return -1;
+    if (got != want) {
+        PyErr_Format(PyExc_ImportError,
+                     "kvflow._index_core was built for %s=%ld, index_core has %ld: rebuild it",
+                     name, want, got);
+        return -1;
+    }
+    return 0;
+}
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvflow._index_core",
+    .m_doc = "Native per-request loops of the prefix index (see kvflow/index_core.py).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__index_core(void)
+{
+    PyObject *ref = PyImport_ImportModule("kvflow.index_core");
+    if (ref == NULL)
+        return NULL;
+    if (check_constant(ref, "ABSENT", ABSENT) < 0 || check_constant(ref, "READY", READY) < 0 ||
+        check_constant(ref, "FILLING", FILLING) < 0 ||
+        check_constant(ref, "COMPUTING", COMPUTING) < 0) {
+        Py_DECREF(ref);
+        return NULL;
+    }
+    NO_INFLIGHT = PyObject_GetAttrString(ref, "NO_INFLIGHT");
+    PyObject *names = PyObject_GetAttrString(ref, "STATE_NAMES");
+    TIER_NAMES = PyObject_GetAttrString(ref, "TIER_NAMES");
+    Py_DECREF(ref);
+    if (NO_INFLIGHT == NULL || names == NULL || TIER_NAMES == NULL) {
+        Py_XDECREF(names);
+        return NULL;
+    }
+    /* STATE_NAMES is a dict state -> name; keep it as a tuple indexed by state. */
+    STATE_NAMES = PyTuple_New(4);
+    for (long s = 0; STATE_NAMES && s < 4; s++) {
+        PyObject *k = PyLong_FromLong(s);
+        PyObject *v = k ? PyObject_GetItem(names, k) : NULL;
+        Py_XDECREF(k);
+        if (v == NULL) {
+            Py_CLEAR(STATE_NAMES);
+            break;
+        }
+        PyTuple_SET_ITEM(STATE_NAMES, s, v);
+    }
+    Py_DECREF(names);
+    if (STATE_NAMES == NULL || !PyTuple_Check(TIER_NAMES) || PyTuple_GET_SIZE(TIER_NAMES) != 3) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ImportError, "index_core.TIER_NAMES must be a 3-tuple");
+        return NULL;
+    }
+    if (!(s_ref = PyUnicode_InternFromString("ref")) ||
+        !(s_insert = PyUnicode_InternFromString("insert")) ||
+        !(s_unref_all = PyUnicode_InternFromString("unref_all")) ||
+        !(s_pop_front = PyUnicode_InternFromString("pop_front")) ||
+        !(s_push_front = PyUnicode_InternFromString("push_front")) ||
+        !(s_orders_referenced = PyUnicode_InternFromString("orders_referenced")))
+        return NULL;
+    if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TripleType) < 0 ||
+        PyType_Ready(&LRUType) < 0 || PyType_Ready(&CoreType) < 0)
+        return NULL;
+    if (PyDict_SetItemString(LRUType.tp_dict, "orders_referenced", Py_False) < 0)
+        return NULL;
+    PyType_Modified(&LRUType);
+    PyObject *m = PyModule_Create(&moduledef);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "Node", (PyObject *)&NodeType) < 0 ||
+        PyModule_AddObjectRef(m, "LinkedLRU", (PyObject *)&LRUType) < 0 ||
+        PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

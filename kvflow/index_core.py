@@ -1,0 +1,246 @@
+"""The prefix index's nodes and per-request loops, in plain Python.
+
+Every block of every request passes through these loops (match, ref, index
+new blocks, commit, release, evict from the front of the order), so
+``kvflow/_index_core.c`` implements the same API natively: nodes as C structs
+and an LRU order linked through them. This module is the reference: the
+fallback where the extension was not built, and the oracle the tests hold the
+native core to. Change one, change both; ``tests/test_index_core.py`` runs
+them side by side.
+
+A node records, per tier, the block id holding it and the state of that copy:
+
+* ``READY``: the bytes are there; matchable.
+* ``FILLING``: a copy from another tier is writing them; matchable, because the
+  runtime orders any reader after that write (one in-flight load, shared).
+* ``COMPUTING``: a request's forward pass will write them; not matchable until
+  the request commits, so nobody reads KV that does not exist yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+ABSENT, READY, FILLING, COMPUTING = 0, 1, 2, 3
+STATE_NAMES = {ABSENT: "absent", READY: "ready", FILLING: "filling", COMPUTING: "computing"}
+TIER_NAMES = ("device", "host", "storage")
+#: States whose bytes a reader may use (FILLING: after the copy, ordered by the runtime).
+USABLE = (READY, FILLING)
+#: For each tier, the other two.
+OTHER_TIERS = ((1, 2), (0, 2), (0, 1))
+#: A node's ``inflight`` until an op first fills one of its copies (keeps nodes cheap).
+NO_INFLIGHT = (None, None, None)
+
+
+class Node:
+    """One full block of some prompt prefix."""
+
+    __slots__ = ("children", "depth", "hits", "inflight", "key", "last_access", "loc", "parent",
+                 "ref", "state")
+
+    def __init__(self, key: Hashable, parent: Node | None = None, device_id: int = -1,
+                 device_state: int = ABSENT) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.children = 0
+        self.loc = [device_id, -1, -1]
+        self.state = [device_state, ABSENT, ABSENT]
+        # The copy op writing each tier's block while FILLING (opaque to the index).
+        self.inflight: list[object | None] | tuple[None, None, None] = NO_INFLIGHT
+        self.ref = 0
+        self.hits = 0
+        self.last_access = 0  # the manager's plan count when a request last used it
+
+    @property
+    def matchable(self) -> bool:
+        """Some tier holds (or is being copied) the bytes, and nobody is recomputing them."""
+        st = self.state
+        if st[0] == COMPUTING:
+            return False
+        return st[0] in USABLE or st[1] in USABLE or st[2] in USABLE
+
+    def best_tier(self) -> int:
+        """Fastest tier holding a matchable copy, or -1."""
+        st = self.state
+        if st[0] == COMPUTING:
+            return -1
+        for t in (0, 1, 2):
+            if st[t] == READY or st[t] == FILLING:
+                return t
+        return -1
+
+    def __repr__(self) -> str:
+        st = "/".join(
+            f"{TIER_NAMES[t]}:{self.loc[t]}:{STATE_NAMES[self.state[t]]}"
+            for t in (0, 1, 2) if self.state[t] != ABSENT
+        )
+        return f"Node({self.key!r}, depth={self.depth}, ref={self.ref}, {st or 'nowhere'})"
+
+
+class Core:
+    """The per-request loops over an index's nodes, policies and counts.
+
+    It shares (does not copy) the index's ``nodes`` dict, its ``policies``
+    list and its ``unreferenced`` counts, and updates them in place.
+    """
+
+    def __init__(self, nodes: dict[Hashable, Any], policies: list[Any],
+                 unreferenced: list[int], tiers: Sequence[int]) -> None:
+        self.nodes = nodes
+        self.policies = policies
+        self.unreferenced = unreferenced
+        self.tiers = tuple(tiers)
+
+    def match(self, keys: Sequence[Hashable]) -> list[Node]:
+        """Nodes of the longest run of leading keys indexed and not being computed.
+
+        Every indexed node has a copy somewhere, so it is matchable unless a
+        request is (re)computing it on the device.
+        """
+        out: list[Node] = []
+        nodes = self.nodes
+        for k in keys:
+            n = nodes.get(k)
+            if n is None or n.state[0] == COMPUTING:
+                break
+            out.append(n)
+        return out
+
+    def ref_all(self, nodes: Sequence[Node]) -> None:
+        """Take a reference on each; copies of a node leaving 0 leave the policies'
+        orders that skip referenced nodes."""
+        unreferenced = self.unreferenced
+        policies = self.policies
+        for node in nodes:
+            if node.ref == 0:
+                st = node.state
+                for t in (0, 1, 2):
+                    if st[t] == READY:
+                        unreferenced[t] -= 1
+                        policies[t].ref(node)
+            node.ref += 1
+
+    def best_tiers(self, nodes: Sequence[Node]) -> list[int]:
+        return [n.best_tier() for n in nodes]
+
+    def computing_on_device(self, nodes: Sequence[Node]) -> list[Node]:
+        """Those of ``nodes`` whose device copy is still to be computed."""
+        return [n for n in nodes if n.state[0] == COMPUTING]
+
+    def add_computing(self, parent: Node | None, keys: Sequence[Hashable],
+                      device_ids: Sequence[int], now: int) -> list[Node]:
+        """Index a chain of new blocks below ``parent``, one per key, that a request
+        will compute into ``device_ids``: COMPUTING on the device, referenced once.
+
+        Stops at the first key that is indexed already (another request is
+        computing it, or it repeats a key of this chain): from there on the
+        request's blocks stay its own. Returns the nodes made.
+        """
+        if len(keys) != len(device_ids):
+            raise ValueError(f"add_computing: {len(keys)} keys but {len(device_ids)} block ids")
+        out: list[Node] = []
+        append = out.append
+        nodes = self.nodes
+        new = object.__new__
+        depth = 0 if parent is None else parent.depth + 1
+        up = parent
+        for key, d in zip(keys, device_ids, strict=True):  # (lengths checked above)
+            if key in nodes:
+                break
+            node = new(Node)  # (Node.__init__, skipped: its call costs more than the stores)
+            node.key = key
+            node.parent = up
+            node.depth = depth
+            node.children = 0
+            node.loc = [d, -1, -1]
+            node.state = [COMPUTING, ABSENT, ABSENT]
+            node.inflight = NO_INFLIGHT
+            node.ref = 1
+            node.hits = 0
+            node.last_access = now
+            nodes[key] = node
+            if up is not None:
+                up.children += 1
+            append(node)
+            up = node
+            depth += 1
+        return out
+
+    def mark_computed(self, nodes: Sequence[Node]) -> None:
+        """The device copies of these COMPUTING, referenced nodes were written: READY."""
+        policy = self.policies[0]
+        if policy.orders_referenced:
+            insert = policy.insert
+            for node in nodes:
+                node.state[0] = READY
+                insert(node)
+        else:  # the policy would ignore them until unref: skip the calls
+            for node in nodes:
+                node.state[0] = READY
+
+    def release(self, nodes: Sequence[Node]) -> list[Node]:
+        """Drop a reference on each node, in the given order (tail-first along a
+        prompt, so parents end up newer than their children); returns those whose
+        count reached zero, in that order."""
+        released: list[Node] = []
+        append = released.append
+        for node in nodes:
+            r = node.ref - 1
+            node.ref = r
+            if r == 0:
+                append(node)
+            elif r < 0:
+                node.ref = 0
+                raise AssertionError(f"ref count of {node!r} would go negative")
+        if released:
+            for t in self.tiers:
+                ready = [n for n in released if n.state[t] == READY]
+                if ready:
+                    self.unreferenced[t] += len(ready)
+                    self.policies[t].unref_all(ready)
+        return released
+
+    def drop_front(self, tier: int, count: int) -> list[int]:
+        """Drop up to ``count`` copies from the front of ``tier``'s policy order,
+        stopping at the first that may not go; returns their block ids.
+
+        A copy may go when its node is unreferenced and READY there, and either
+        another tier holds the node or no node hangs below it (prefix closure).
+        A node left with no copy leaves the index. A policy without an O(1)
+        order hands out nothing, and the caller scans ``PrefixIndex.victims``.
+        """
+        policy = self.policies[tier]
+        taken = policy.pop_front(count)
+        ids: list[int] = []
+        if not taken:
+            return ids
+        append = ids.append
+        a, b = OTHER_TIERS[tier]
+        nodes = self.nodes
+        for node in taken:
+            st = node.state
+            if node.ref or st[tier] != READY:
+                break
+            sa = st[a]
+            sb = st[b]
+            if sa == ABSENT and sb == ABSENT:  # its last copy: the node goes
+                if node.children:
+                    break
+                del nodes[node.key]
+                parent = node.parent
+                if parent is not None:
+                    parent.children -= 1
+            elif node.children and sa not in USABLE and sb not in USABLE:
+                break  # an inner node whose only other copy is being computed
+            loc = node.loc
+            append(loc[tier])
+            loc[tier] = -1
+            st[tier] = ABSENT
+            if node.inflight is not NO_INFLIGHT:
+                node.inflight[tier] = None  # type: ignore[index]
+        if len(ids) < len(taken):
+            policy.push_front(taken[len(ids):])
+        self.unreferenced[tier] -= len(ids)
+        return ids
