@@ -6,7 +6,11 @@ through a bare ``OrderedDict`` block LRU, in the same process, several times
 each, interleaved; reports the best time per request of each and their ratio,
 and whether both give the same block hit rate (they must).
 
-    python benchmarks/bench_index.py [TRACE] [--capacity N] [--repeat R]
+    python benchmarks/bench_index.py [TRACE] [--capacity N] [--repeat R] [--core C]
+
+``--core python`` times the plain-Python index core (the fallback where the
+native one, ``kvflow._index_core``, was not built); the default is the native
+core where it was built.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import argparse
 import json
 import time
 from collections import OrderedDict
+from functools import partial
 from pathlib import Path
 
 from kvflow.manager import CacheManager, Capacities
+from kvflow.radix import CORES, PrefixIndex
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"
@@ -49,8 +55,9 @@ def plain_lru(requests: list[list[int]], capacity: int) -> tuple[int, int]:
     return hits, total
 
 
-def manager_lru(requests: list[list[int]], capacity: int) -> tuple[int, int]:
-    m = CacheManager(Capacities(capacity), eviction="lru")
+def manager_lru(requests: list[list[int]], capacity: int,
+                core: str | None = None) -> tuple[int, int]:
+    m = CacheManager(Capacities(capacity), eviction="lru", index_core=core)
     for i, ids in enumerate(requests):
         plan = m.plan(i, ids[:capacity])
         m.commit(plan)
@@ -65,19 +72,23 @@ def main() -> None:
     ap.add_argument("trace", nargs="?", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--capacity", type=int, default=5000, help="device blocks")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--core", choices=CORES, default="auto", help="index core (default: auto)")
     args = ap.parse_args()
+    native = PrefixIndex([1, 0, 0], core=args.core).native
     reqs = load_hash_ids(args.trace)
     best = {"manager": float("inf"), "plain": float("inf")}
     results = {}
     for _ in range(args.repeat):
-        for name, fn in (("plain", plain_lru), ("manager", manager_lru)):
+        for name, fn in (("plain", plain_lru),
+                         ("manager", partial(manager_lru, core=args.core))):
             t0 = time.perf_counter()
             results[name] = fn(reqs, args.capacity)
             best[name] = min(best[name], time.perf_counter() - t0)
     n = len(reqs)
     m_us, p_us = best["manager"] / n * 1e6, best["plain"] / n * 1e6
     (mh, mt), (ph, pt) = results["manager"], results["plain"]
-    print(f"trace={args.trace.name} requests={n} capacity={args.capacity} blocks")
+    print(f"trace={args.trace.name} requests={n} capacity={args.capacity} blocks "
+          f"index_core={'native' if native else 'python'}")
     print(f"hit rate: manager={mh / mt:.6f} plain={ph / pt:.6f}")
     print(f"RESULT manager_us_per_req={m_us:.2f} plain_us_per_req={p_us:.2f} "
           f"ratio={m_us / p_us:.2f} hit_equal={(mh, mt) == (ph, pt)}")

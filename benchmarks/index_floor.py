@@ -5,13 +5,14 @@ Two stripped loops do only what the device-only LRU manager must do per request
 the front of an ``OrderedDict`` and drop them, create the new blocks' nodes,
 commit them, release tail-first) with no plans, ops or invariant bookkeeping:
 
-  objects  a ``__slots__`` node per block holding two small lists (``radix.Node``'s shape)
+  objects  a ``__slots__`` node per block holding two small lists (``index_core.Node``'s shape)
   arrays   no node objects: each field a flat list, a node is an int slot
 
 Each runs against ``bench_index.plain_lru`` in the same process, best of
 ``--repeat``; both must give the oracle's hit count. If a floor is above 3x,
 no Python index of that shape meets issue 2's target. (The object loop was
 also compiled with mypyc once, by hand: 2.1x / 2.8x / 4.6x at 1k / 5k / 20k.)
+These floors are why the index's loops are native (``kvflow/_index_core.c``).
 
     python benchmarks/index_floor.py [--capacity 1000,5000,20000] [--repeat 3]
 """
