@@ -1353,8 +1353,8 @@ Core_drop_front(CoreObject *c, PyObject *args)
         return NULL;
     }
     PyObject *ids = PyList_New(0);
-    if (ids == NULL)
-        return NULL;
+    if (ids == NULL || count <= 0)  /* as index_core: a count of 0 or less drops nothing */
+        return ids;
     LRUObject *lru = c->lru[tier];
     if (lru) {
         while (PyList_GET_SIZE(ids) < count && lru->head) {

@@ -210,7 +210,10 @@ class Core:
         another tier holds the node or no node hangs below it (prefix closure).
         A node left with no copy leaves the index. A policy without an O(1)
         order hands out nothing, and the caller scans ``PrefixIndex.victims``.
+        A ``count`` of 0 or less drops nothing.
         """
+        if count <= 0:  # (the policies' pop_front would raise or not, each its own way)
+            return []
         policy = self.policies[tier]
         taken = policy.pop_front(count)
         ids: list[int] = []
