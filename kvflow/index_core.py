@@ -136,7 +136,8 @@ class Core:
 
         Stops at the first key that is indexed already (another request is
         computing it, or it repeats a key of this chain): from there on the
-        request's blocks stay its own. Returns the nodes made.
+        request's blocks stay its own. Returns the nodes made. On an error (a key
+        that cannot be hashed) it leaves the index as it was.
         """
         if len(keys) != len(device_ids):
             raise ValueError(f"add_computing: {len(keys)} keys but {len(device_ids)} block ids")
@@ -146,26 +147,33 @@ class Core:
         new = object.__new__
         depth = 0 if parent is None else parent.depth + 1
         up = parent
-        for key, d in zip(keys, device_ids, strict=True):  # (lengths checked above)
-            if key in nodes:
-                break
-            node = new(Node)  # (Node.__init__, skipped: its call costs more than the stores)
-            node.key = key
-            node.parent = up
-            node.depth = depth
-            node.children = 0
-            node.loc = [d, -1, -1]
-            node.state = [COMPUTING, ABSENT, ABSENT]
-            node.inflight = NO_INFLIGHT
-            node.ref = 1
-            node.hits = 0
-            node.last_access = now
-            nodes[key] = node
-            if up is not None:
-                up.children += 1
-            append(node)
-            up = node
-            depth += 1
+        try:
+            for key, d in zip(keys, device_ids, strict=True):  # (lengths checked above)
+                if key in nodes:
+                    break
+                node = new(Node)  # (Node.__init__, skipped: its call costs more than the stores)
+                node.key = key
+                node.parent = up
+                node.depth = depth
+                node.children = 0
+                node.loc = [d, -1, -1]
+                node.state = [COMPUTING, ABSENT, ABSENT]
+                node.inflight = NO_INFLIGHT
+                node.ref = 1
+                node.hits = 0
+                node.last_access = now
+                nodes[key] = node
+                if up is not None:
+                    up.children += 1
+                append(node)
+                up = node
+                depth += 1
+        except BaseException:  # undo the chain made so far, tail first (as the native core)
+            for node in reversed(out):
+                del nodes[node.key]
+                if node.parent is not None:
+                    node.parent.children -= 1
+            raise
         return out
 
     def mark_computed(self, nodes: Sequence[Node]) -> None:
