@@ -851,7 +851,7 @@ typedef struct {
     PyObject *nodes;        /* dict key -> Node */
     PyObject *policies;     /* list of 3 policies */
     PyObject *unreferenced; /* list of 3 ints */
-    LRUObject *lru[NTIERS]; /* borrowed from policies: the LinkedLRUs, else NULL */
+    LRUObject *lru[NTIERS]; /* the LinkedLRUs among policies (owned), else NULL */
     int orders_referenced[NTIERS];
     int active[NTIERS];     /* tiers with capacity */
 } CoreObject;
@@ -876,7 +876,9 @@ Core_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     c->unreferenced = Py_NewRef(unref);
     for (int t = 0; t < NTIERS; t++) {
         PyObject *p = PyList_GET_ITEM(policies, t);
-        c->lru[t] = PyObject_TypeCheck(p, &LRUType) ? (LRUObject *)p : NULL;
+        /* Owned, so that replacing index.policies[t] (which nothing does: the
+         * policies are fixed for an index's life) could not leave it dangling. */
+        c->lru[t] = PyObject_TypeCheck(p, &LRUType) ? (LRUObject *)Py_NewRef(p) : NULL;
         if (c->lru[t] && c->lru[t]->tier != t) {
             PyErr_Format(PyExc_ValueError, "the LinkedLRU of tier %d links tier %d", t,
                          c->lru[t]->tier);
@@ -919,6 +921,8 @@ Core_traverse(CoreObject *c, visitproc visit, void *arg)
     Py_VISIT(c->nodes);
     Py_VISIT(c->policies);
     Py_VISIT(c->unreferenced);
+    for (int t = 0; t < NTIERS; t++)
+        Py_VISIT(c->lru[t]);
     return 0;
 }
 
@@ -926,7 +930,7 @@ static int
 Core_clear(CoreObject *c)
 {
     for (int t = 0; t < NTIERS; t++)
-        c->lru[t] = NULL;
+        Py_CLEAR(c->lru[t]);
     Py_CLEAR(c->nodes);
     Py_CLEAR(c->policies);
     Py_CLEAR(c->unreferenced);
