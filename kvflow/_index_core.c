@@ -849,9 +849,10 @@ static PyTypeObject LRUType = {
 typedef struct {
     PyObject_HEAD
     PyObject *nodes;        /* dict key -> Node */
-    PyObject *policies;     /* list of 3 policies */
+    /* Each tier's policy, taken at construction (an index's policies are fixed). */
+    PyObject *policy[NTIERS];
+    LRUObject *lru[NTIERS]; /* policy[t] where it is a LinkedLRU, else NULL */
     PyObject *unreferenced; /* list of 3 ints */
-    LRUObject *lru[NTIERS]; /* the LinkedLRUs among policies (owned), else NULL */
     int orders_referenced[NTIERS];
     int active[NTIERS];     /* tiers with capacity */
 } CoreObject;
@@ -872,13 +873,10 @@ Core_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (c == NULL)
         return NULL;
     c->nodes = Py_NewRef(nodes);
-    c->policies = Py_NewRef(policies);
     c->unreferenced = Py_NewRef(unref);
     for (int t = 0; t < NTIERS; t++) {
-        PyObject *p = PyList_GET_ITEM(policies, t);
-        /* Owned, so that replacing index.policies[t] (which nothing does: the
-         * policies are fixed for an index's life) could not leave it dangling. */
-        c->lru[t] = PyObject_TypeCheck(p, &LRUType) ? (LRUObject *)Py_NewRef(p) : NULL;
+        PyObject *p = c->policy[t] = Py_NewRef(PyList_GET_ITEM(policies, t));
+        c->lru[t] = PyObject_TypeCheck(p, &LRUType) ? (LRUObject *)p : NULL;
         if (c->lru[t] && c->lru[t]->tier != t) {
             PyErr_Format(PyExc_ValueError, "the LinkedLRU of tier %d links tier %d", t,
                          c->lru[t]->tier);
@@ -919,20 +917,20 @@ static int
 Core_traverse(CoreObject *c, visitproc visit, void *arg)
 {
     Py_VISIT(c->nodes);
-    Py_VISIT(c->policies);
     Py_VISIT(c->unreferenced);
     for (int t = 0; t < NTIERS; t++)
-        Py_VISIT(c->lru[t]);
+        Py_VISIT(c->policy[t]);
     return 0;
 }
 
 static int
 Core_clear(CoreObject *c)
 {
-    for (int t = 0; t < NTIERS; t++)
-        Py_CLEAR(c->lru[t]);
+    for (int t = 0; t < NTIERS; t++) {
+        c->lru[t] = NULL;
+        Py_CLEAR(c->policy[t]);
+    }
     Py_CLEAR(c->nodes);
-    Py_CLEAR(c->policies);
     Py_CLEAR(c->unreferenced);
     return 0;
 }
@@ -951,6 +949,10 @@ core_add_unreferenced(CoreObject *c, int t, Py_ssize_t delta)
 {
     if (delta == 0)
         return 0;
+    if (PyList_GET_SIZE(c->unreferenced) != NTIERS) {
+        PyErr_SetString(PyExc_RuntimeError, "the index's unreferenced counts must stay 3");
+        return -1;
+    }
     PyObject *old = PyList_GET_ITEM(c->unreferenced, t);
     Py_ssize_t v = PyLong_AsSsize_t(old);
     if (v == -1 && PyErr_Occurred())
@@ -1026,7 +1028,7 @@ core_ref_one(CoreObject *c, NodeObject *n, Py_ssize_t *delta)
                     return -1;
             }
             else {
-                PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(c->policies, t), s_ref,
+                PyObject *r = PyObject_CallMethodOneArg(c->policy[t], s_ref,
                                                         (PyObject *)n);
                 if (r == NULL)
                     return -1;
@@ -1217,7 +1219,7 @@ Core_mark_computed(CoreObject *c, PyObject *arg)
         return NULL;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *policy = PyList_GET_ITEM(c->policies, 0);
+    PyObject *policy = c->policy[0];
     for (Py_ssize_t i = 0; i < len; i++) {
         NodeObject *n = (NodeObject *)items[i];
         n->state[0] = READY;
@@ -1291,8 +1293,7 @@ Core_release(CoreObject *c, PyObject *arg)
             }
             ready = PyList_GET_SIZE(list);
             if (ready) {
-                PyObject *r = PyObject_CallMethodOneArg(PyList_GET_ITEM(c->policies, t),
-                                                        s_unref_all, list);
+                PyObject *r = PyObject_CallMethodOneArg(c->policy[t], s_unref_all, list);
                 if (r == NULL) {
                     Py_DECREF(list);
                     goto fail;
@@ -1377,7 +1378,7 @@ Core_drop_front(CoreObject *c, PyObject *args)
         }
     }
     else {
-        PyObject *policy = PyList_GET_ITEM(c->policies, tier);
+        PyObject *policy = c->policy[tier];
         PyObject *k_obj = PyLong_FromSsize_t(count);
         PyObject *taken = k_obj ? PyObject_CallMethodOneArg(policy, s_pop_front, k_obj) : NULL;
         Py_XDECREF(k_obj);

@@ -82,14 +82,15 @@ class Node:
 class Core:
     """The per-request loops over an index's nodes, policies and counts.
 
-    It shares (does not copy) the index's ``nodes`` dict, its ``policies``
-    list and its ``unreferenced`` counts, and updates them in place.
+    It shares (does not copy) the index's ``nodes`` dict and its
+    ``unreferenced`` counts, and updates them in place; it takes the policies
+    once (an index's policies are fixed for its life).
     """
 
     def __init__(self, nodes: dict[Hashable, Any], policies: list[Any],
                  unreferenced: list[int], tiers: Sequence[int]) -> None:
         self.nodes = nodes
-        self.policies = policies
+        self.policies = tuple(policies)
         self.unreferenced = unreferenced
         self.tiers = tuple(tiers)
 

@@ -90,7 +90,8 @@ class PrefixIndex:
     calls (``match``, ``ref_all``, ``best_tiers``, ``add_computing``,
     ``mark_computed``, ``release``, ``computing_on_device``, ``drop_front``) are
     the core's, documented in ``kvflow.index_core.Core``; the rest, per node
-    and off the common path, are here and work on either core's nodes.
+    and off the common path, are here and work on either core's nodes. The
+    core takes ``policies`` at construction: they are fixed for the index's life.
     """
 
     def __init__(self, capacities: Sequence[int], eviction: str = "lru",

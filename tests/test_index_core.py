@@ -201,13 +201,16 @@ def test_linked_lru_keeps_one_order_per_tier():
 
 
 @native
-def test_the_native_core_owns_its_lru_orders():
-    """The core reaches each tier's LinkedLRU by pointer: were the index's policy list
-    changed, the order must stay alive (it held a borrowed pointer, which then dangled)."""
+def test_the_native_core_owns_its_policies():
+    """The core takes each tier's policy at construction: were the index's policy list
+    changed, its orders must stay alive (it held a borrowed pointer, which then dangled)."""
     index = PrefixIndex([4, 0, 0], core="native")
     nodes = index.add_computing(None, "ab", [0, 1], now=1)
     index.mark_computed(nodes)
     index.release(nodes[::-1])
     index.policies[0] = None  # nothing does this; the core must not crash for it
+    del index.policies[1:]
     gc.collect()
     assert index.drop_front(Tier.DEVICE, 1) == [1]
+    index.ref_all([nodes[0]])
+    assert index.unreferenced == [0, 0, 0]
