@@ -81,6 +81,23 @@ node_check(PyObject *o)
     return -1;
 }
 
+/* Every item a Node; returns a new reference to a fast sequence, or NULL. */
+static PyObject *
+node_seq(PyObject *arg, const char *what)
+{
+    PyObject *seq = PySequence_Fast(arg, what);
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (node_check(items[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    return seq;
+}
+
 static PyObject *
 Node_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -665,16 +682,11 @@ LRU_unref(LRUObject *o, PyObject *arg)
 static PyObject *
 LRU_unref_all(LRUObject *o, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "unref_all takes a sequence of nodes");
+    PyObject *seq = node_seq(arg, "unref_all takes a sequence of nodes");
     if (seq == NULL)
         return NULL;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < len; i++)
-        if (node_check(items[i]) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
     for (Py_ssize_t i = 0; i < len; i++)
         if (!LINKED(o, (NodeObject *)items[i]))
             lru_append(o, (NodeObject *)items[i]);
@@ -712,16 +724,11 @@ LRU_pop_front(LRUObject *o, PyObject *arg)
 static PyObject *
 LRU_push_front(LRUObject *o, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "push_front takes a sequence of nodes");
+    PyObject *seq = node_seq(arg, "push_front takes a sequence of nodes");
     if (seq == NULL)
         return NULL;
     Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < len; i++)
-        if (node_check(items[i]) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
     for (Py_ssize_t i = len - 1; i >= 0; i--) {
         NodeObject *n = (NodeObject *)items[i];
         if (LINKED(o, n)) {  /* as OrderedDict.move_to_end(last=False) */
@@ -962,23 +969,6 @@ core_add_unreferenced(CoreObject *c, int t, Py_ssize_t delta)
         return -1;
     PyList_SetItem(c->unreferenced, t, nv);  /* steals nv, drops old */
     return 0;
-}
-
-/* Every item a Node; returns a new reference to a fast sequence, or NULL. */
-static PyObject *
-node_seq(PyObject *arg, const char *what)
-{
-    PyObject *seq = PySequence_Fast(arg, what);
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < len; i++)
-        if (node_check(items[i]) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-    return seq;
 }
 
 static PyObject *

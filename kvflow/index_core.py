@@ -5,8 +5,8 @@ new blocks, commit, release, evict from the front of the order), so
 ``kvflow/_index_core.c`` implements the same API natively: nodes as C structs
 and an LRU order linked through them. This module is the reference: the
 fallback where the extension was not built, and the oracle the tests hold the
-native core to. Change one, change both; ``tests/test_index_core.py`` runs
-them side by side.
+native core to. Change one, change both; ``tests/test_index_core_equivalence.py``
+runs them side by side.
 
 A node records, per tier, the block id holding it and the state of that copy:
 

@@ -32,6 +32,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from test_manager_stateful import prompts  # the same prompt shapes as the stateful test
 
 from kvflow.index_core import NO_INFLIGHT
 from kvflow.manager import CacheManager, Capacities
@@ -145,11 +146,6 @@ def _manager_snapshot(m):
         "inflight": [(i, _op_desc(op)) for i, op in m.inflight.items()],
         "detached": [_op_desc(op) for op in m.detached_ops],
     }
-
-
-prompts = st.lists(st.integers(0, 1), min_size=1, max_size=5).map(
-    lambda syms: tuple(tuple(syms[: i + 1]) for i in range(len(syms)))
-)
 
 
 class Lockstep(RuleBasedStateMachine):
