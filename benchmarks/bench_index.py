@@ -6,7 +6,7 @@ through a bare ``OrderedDict`` block LRU, in the same process, several times
 each, interleaved; reports the best time per request of each and their ratio,
 and whether both give the same block hit rate (they must).
 
-    python benchmarks/bench_index.py [TRACE] [--capacity N] [--repeat R] [--core C]
+    python benchmarks/bench_index.py [TRACE] [--capacity N] [--repeat R] [--core C] [--profile]
 
 ``--core python`` times the plain-Python index core (the fallback where the
 native one, ``kvflow._index_core``, was not built); the default is the native
@@ -16,7 +16,9 @@ core where it was built.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import time
 from collections import OrderedDict
 from functools import partial
@@ -73,9 +75,15 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=5000, help="device blocks")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--core", choices=CORES, default="auto", help="index core (default: auto)")
+    ap.add_argument("--profile", action="store_true",
+                    help="first print the top of a cProfile of one manager replay")
     args = ap.parse_args()
     native = PrefixIndex([1, 0, 0], core=args.core).native
     reqs = load_hash_ids(args.trace)
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(manager_lru, reqs, args.capacity, args.core)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(8)
     best = {"manager": float("inf"), "plain": float("inf")}
     results = {}
     for _ in range(args.repeat):
