@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.errors import KvflowError
-from sim.report_cli import register as register_report_commands
+from kvflow.reports.cli import register as register_report_commands
 from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 
 app = typer.Typer(
@@ -133,7 +133,7 @@ def replay(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Replay a request trace through kvflow on the simulated memory hierarchy (or a GPU)."""
-    from sim.replay import ReplayConfig, run_replay
+    from kvflow.replay import ReplayConfig, run_replay
 
     if out is not None and out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite")

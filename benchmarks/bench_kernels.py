@@ -44,7 +44,7 @@ from kernels.swap import (
     SwapKernels,
 )
 from kernels.testing import spin
-from sim.realtime import new_loop
+from kvflow.world import new_loop
 
 CTAS = (2, 4, 8, 16)
 MEMCPY_DEFAULT = 4

@@ -1,6 +1,6 @@
 """End-to-end real-time replay through real block stores on the CPU world (issue 7).
 
-Replays a multi-turn chat trace twice on one ``sim.realtime.RealtimeStack``
+Replays a multi-turn chat trace twice on one ``kvflow.realtime.RealtimeStack``
 (engine, manager, runtime; numpy "device" and host; ``StoreBackend`` over a
 real store): pass 1 starts cold and writes what it computes through
 (write_through), pass 2 finds the prefixes it needs in storage and reads them
@@ -22,9 +22,9 @@ import platform
 import tempfile
 from typing import Any
 
+from kvflow.realtime import RealtimeConfig, engine_requests, run_realtime, tiny_spec
 from kvflow.stores import BlockStore, LocalDirStore, MemoryStore, Namespace, RedisStore
 from kvflow.stores.redis_server import LocalRedisServer, find_redis_server
-from sim.realtime import RealtimeConfig, engine_requests, run_realtime, tiny_spec
 from traces.generate import multi_turn
 
 

@@ -13,7 +13,7 @@ import cProfile
 import pstats
 from pathlib import Path
 
-from sim.replay import ReplayConfig, run_replay
+from kvflow.replay import ReplayConfig, run_replay
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[1].parent / "shared/traces/conversation_trace.jsonl"

@@ -20,42 +20,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_suite  # the slices, pools and model the suite replays
 
-import kernels.replay as gpu_replay
+import kernels.world as gpu_world
 from kernels._cuda import cupy_module
-from sim.replay import ReplayConfig
+from kvflow.replay import ReplayConfig
 
 
 def timed_replay(trace: Path, pools: tuple[int, int]) -> list[tuple[str, int, float, float]]:
     """(link, blocks, start s, end s) of every op that landed."""
     cp = cupy_module()
     ops: list[tuple[str, int, float, float]] = []
-    plain = gpu_replay.cuda_transfer_log
+    plain = gpu_world.cuda_service_s
+    ref = cp.cuda.Event()
+    ref.record()  # before the replay's first op: the timeline's origin
 
-    def logged(backend: Any, loop: Any) -> Any:
-        log = plain(backend, loop)
-        ref = cp.cuda.Event()
-        ref.record(backend.load_stream)
-        service = log._service
+    def timed(handle: Any) -> float | None:
+        s = plain(handle)
+        if s is not None:
+            el = cp.cuda.get_elapsed_time
+            link = "h2d" if int(handle.op.dst_tier) == 0 else "d2h"
+            ops.append((link, handle.op.num_blocks, el(ref, handle.start_event) / 1e3,
+                        el(ref, handle.end_event) / 1e3))
+        return s
 
-        def timed(handle: Any) -> float | None:
-            s = service(handle)
-            if s is not None:
-                el = cp.cuda.get_elapsed_time
-                link = "h2d" if int(handle.op.dst_tier) == 0 else "d2h"
-                ops.append((link, handle.op.num_blocks, el(ref, handle.start_event) / 1e3,
-                            el(ref, handle.end_event) / 1e3))
-            return s
-
-        log._service = timed
-        return log
-
-    gpu_replay.cuda_transfer_log = logged
+    gpu_world.cuda_service_s = timed
     try:
         cfg = ReplayConfig(trace=str(trace), model=gpu_suite.MODEL, device_blocks=pools[0],
                            host_blocks=pools[1], storage_blocks=0, backend="cuda")
-        gpu_replay.run_gpu_replay(cfg)
+        gpu_world.run_gpu_replay(cfg)
     finally:
-        gpu_replay.cuda_transfer_log = plain
+        gpu_world.cuda_service_s = plain
     return ops
 
 

@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_suite  # the slices, pools and model the suite replays
 
+from kvflow.cost import CostModel
 from kvflow.layout import preset
-from sim.cost import CostModel, load_profile
+from kvflow.profile import load_profile
 
 SHIPPED = Path(__file__).resolve().parent.parent / "sim/profiles/h100-calibrated.toml"
 IDLE_S = 0.020
@@ -39,8 +40,8 @@ IDLE_S = 0.020
 def gpu_steps(trace: Path, pools: tuple[int, int]) -> list[tuple[Any, ...]]:
     """The executor's step log of one GPU replay: (prefills, decode contexts, gpu s,
     wall s, start s) per step."""
-    from kernels.replay import run_gpu_replay
-    from sim.replay import ReplayConfig
+    from kernels.world import run_gpu_replay
+    from kvflow.replay import ReplayConfig
 
     log: list[tuple[Any, ...]] = []
     cfg = ReplayConfig(trace=str(trace), model=gpu_suite.MODEL, device_blocks=pools[0],

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from kvflow.cost import CostModel
 from kvflow.engine import StepBatch
 from kvflow.runtime import TransferTask
-from sim.cost import CostModel
 
 
 class SimExecutor:

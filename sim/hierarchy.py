@@ -76,49 +76,14 @@ from simpy.core import NORMAL
 from kvflow.errors import ConfigError, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
+from kvflow.profile import LINKS, Link
 from kvflow.radix import Tier
 from kvflow.runtime import LINKS as ROUTES  # (src tier, dst tier) -> link name
 
 if TYPE_CHECKING:
-    from sim.cost import GpuProfile
+    from kvflow.profile import GpuProfile
 
 __all__ = ["LINKS", "Hierarchy", "Link", "SimBackend", "SimTransfer"]
-
-#: The link names, in ``Hierarchy`` field order (also the keys of ``metrics()``).
-LINKS = ("h2d", "d2h", "storage_read", "storage_write")
-
-
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of one path: bandwidth (bytes/s) and per-unit latency (s).
-
-    ``overlap_latency``: whether one request's latency overlaps the previous
-    one's data (deep-queue storage) or occupies the link (a DMA stream); see
-    the module docstring.
-    """
-
-    bandwidth_Bps: float
-    latency_s: float
-    overlap_latency: bool = False
-
-    def __post_init__(self) -> None:
-        bw, lat = self.bandwidth_Bps, self.latency_s
-        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not bw > 0 or bw == _INF:
-            raise ConfigError(f"Link.bandwidth_Bps must be a finite number > 0, got {bw!r}")
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < _INF:
-            raise ConfigError(f"Link.latency_s must be a finite number >= 0, got {lat!r}")
-        if not isinstance(self.overlap_latency, bool):
-            raise ConfigError(
-                f"Link.overlap_latency must be true or false, got {self.overlap_latency!r}"
-            )
-
-    def unit_time(self, nbytes: float) -> float:
-        """Service time of one unit of ``nbytes`` on an idle link: latency + bytes / bandwidth."""
-        return self.latency_s + nbytes / self.bandwidth_Bps
-
-
-_INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -142,14 +107,14 @@ class Hierarchy:
 
     @classmethod
     def from_profile(cls, profile: GpuProfile) -> Hierarchy:
-        """The links of a ``sim.cost.GpuProfile``."""
+        """The links of a ``kvflow.profile.GpuProfile``."""
         return cls(profile.h2d, profile.d2h, profile.storage_read, profile.storage_write,
                    profile.pcie_duplex)
 
     @classmethod
     def default(cls, profile: str = "h100") -> Hierarchy:
-        """The links of a preset profile, or of a profile TOML file (``sim.cost.load_profile``)."""
-        from sim.cost import load_profile
+        """The links of a preset profile or a profile TOML file (``kvflow.profile``)."""
+        from kvflow.profile import load_profile
 
         return cls.from_profile(load_profile(profile))
 

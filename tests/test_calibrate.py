@@ -29,10 +29,11 @@ from kernels.calibrate import (
     step_terms,
     write_profile,
 )
+from kvflow.cost import CostModel
 from kvflow.errors import ConfigError
 from kvflow.layout import preset
-from sim.cost import PROFILES, CostModel, load_profile
-from sim.replay import ReplayConfig, run_replay
+from kvflow.profile import PROFILES, load_profile
+from kvflow.replay import ReplayConfig, run_replay
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = preset("llama-3-8b-l4", block_tokens=512)
@@ -141,7 +142,7 @@ def test_fit_roofline_recovers_mfu_attention_mfu_and_mbu() -> None:
 
 
 def test_fit_roofline_with_a_gemm_curve_recovers_the_large_chunk_rate() -> None:
-    from sim.cost import gemm_shape
+    from kvflow.cost import gemm_shape
 
     prof = PROFILES["h100"]
     peak, hbm = prof.peak_bf16_flops, prof.hbm_bytes_per_s

@@ -10,9 +10,9 @@ import typer
 from test_report_helpers import make_report
 from typer.testing import CliRunner
 
-from sim import report as R
-from sim.compare import compare_reports
-from sim.report_cli import register
+from kvflow.reports import render as R
+from kvflow.reports.cli import register
+from kvflow.reports.compare import compare_reports
 
 app = typer.Typer(pretty_exceptions_enable=False)
 register(app)

@@ -42,9 +42,9 @@ from kvflow.errors import ConfigError
 from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities, OpKind
 from kvflow.radix import Tier
+from kvflow.replay import request_keys
 from kvflow.runtime import Runtime
-from sim.realtime import new_loop
-from sim.replay import request_keys
+from kvflow.world import new_loop
 from traces.generate import multi_turn
 
 BT = 16

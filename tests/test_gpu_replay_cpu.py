@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kernels.replay import env_backend_options, fine_clock, sleep_until
+from kernels.world import env_backend_options, fine_clock, sleep_until
 from kvflow.errors import ConfigError
 
 

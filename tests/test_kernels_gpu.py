@@ -21,7 +21,7 @@ from kvflow.errors import InvalidBlockId, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
-from sim.realtime import new_loop
+from kvflow.world import new_loop
 
 _REASON = gpu_unavailable_reason()
 pytestmark = [

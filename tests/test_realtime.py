@@ -1,4 +1,4 @@
-"""The real-time replay driver (``sim.realtime``): report shape, uvloop, passes, no storage."""
+"""The real-time replay driver (``kvflow.realtime``): report shape, uvloop, passes, no storage."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 
 from kvflow.errors import ConfigError
+from kvflow.realtime import RealtimeConfig, RealtimeStack, engine_requests, run_realtime, tiny_spec
+from kvflow.replay import ReplayConfig, run_replay
+from kvflow.reports.render import check_report, flatten, sections
 from kvflow.stores import MemoryStore, Namespace
-from sim.realtime import RealtimeConfig, RealtimeStack, engine_requests, run_realtime, tiny_spec
-from sim.replay import ReplayConfig, run_replay
-from sim.report import check_report, flatten, sections
 from traces.generate import multi_turn
 
 SPEC = tiny_spec()

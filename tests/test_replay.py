@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 from cli import app
 from kvflow.manager import CacheManager, Capacities, OpKind
 from kvflow.radix import COMPUTING, Tier
+from kvflow.replay import ReplayConfig, run_replay
 from kvflow.runtime import Runtime
 from sim.hierarchy import Hierarchy, SimBackend
-from sim.replay import ReplayConfig, run_replay
 from traces import Request, sample_path, write_generic
 
 SAMPLE = str(sample_path("conversation_1k.jsonl"))
@@ -156,7 +156,7 @@ def test_best_effort_serves_what_landed_while_queued(tmp_path):
 async def test_one_in_flight_load_is_shared():
     loop = asyncio.get_running_loop()
     from kvflow.layout import preset
-    from sim.cost import load_profile
+    from kvflow.profile import load_profile
 
     spec = preset("llama-3-8b", block_tokens=16)
     m = CacheManager(Capacities(4, host=8), write_policy="write_through")

@@ -11,8 +11,8 @@ import typer
 from cli_helpers import AppCli
 from test_report_helpers import FULL_PLOTS, embedded_pngs, make_report, rendered
 
-from sim import report as R
-from sim.report_cli import register
+from kvflow.reports import render as R
+from kvflow.reports.cli import register
 
 app = typer.Typer(pretty_exceptions_enable=False)
 register(app)

@@ -23,10 +23,10 @@ from typing import Any
 from rich.console import Console
 
 from kvflow.errors import ConfigError
-from sim import report as R
+from kvflow.reports import render as R
 
 #: The plots of a full-mode report, in the order the views show them (written out
-#: here, not taken from ``sim.report``, so that a plot lost or reordered there fails).
+#: here, not taken from ``kvflow.reports.render``, so that a plot lost or reordered there fails).
 FULL_PLOTS = ("hit_rate_tiers", "ttft_cdf", "tpot_cdf", "hit_rate", "link_util", "queue")
 
 
@@ -111,7 +111,7 @@ def make_report(
         "sim_time_s": sim_time,
         "wall_s": 2.5,
     }
-    if mode == "cache":  # as sim.replay writes it: no timing sections at all
+    if mode == "cache":  # as kvflow.replay writes it: no timing sections at all
         rep.update(
             {k: None for k in ("ttft_s", "tpot_s", "e2e_s", "throughput", "bytes")},
             link_utilization=None,
@@ -156,7 +156,7 @@ def make_report(
 
 @dataclass
 class FakeConfig:
-    """Mirrors ``sim.replay.ReplayConfig``'s sweepable fields, for sweep tests without a replay."""
+    """Mirrors ``kvflow.replay.ReplayConfig``'s sweepable fields (sweep tests need no replay)."""
 
     trace: str | None = None
     model: str = "llama-3-8b"

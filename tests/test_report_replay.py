@@ -13,10 +13,10 @@ from cli_helpers import AppCli
 from test_report_helpers import FULL_PLOTS, embedded_pngs, rendered
 
 from cli import app
-from sim import report as R
-from sim import sweep as S
-from sim.compare import compare_reports
-from sim.replay import ReplayConfig, run_replay
+from kvflow.replay import ReplayConfig, run_replay
+from kvflow.reports import render as R
+from kvflow.reports import sweep as S
+from kvflow.reports.compare import compare_reports
 
 cli = AppCli(app, columns=160).run
 

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvflow.cost import CostModel, gemm_shape
 from kvflow.errors import ConfigError
 from kvflow.layout import ModelSpec, preset
-from sim.cost import PROFILES, CostModel, gemm_shape, load_profile
+from kvflow.profile import PROFILES, load_profile
 from sim.hierarchy import Hierarchy, Link
 
 H100 = PROFILES["h100"]

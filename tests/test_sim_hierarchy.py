@@ -13,11 +13,11 @@ from kvflow.backend import TransferBackend
 from kvflow.errors import ConfigError, TransferError
 from kvflow.layout import ModelSpec
 from kvflow.manager import OpKind, TransferOp
+from kvflow.profile import PROFILES
 from kvflow.radix import Tier
-from sim.cost import PROFILES
 from sim.hierarchy import Hierarchy, Link, SimBackend, SimTransfer
 from sim.loop import VirtualTimeLoop, run_sim
-from sim.replay import sim_service_s
+from sim.world import sim_service_s
 
 pytestmark = pytest.mark.virtual_time
 

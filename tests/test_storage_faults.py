@@ -1,7 +1,7 @@
 """Issue 7, end to end: real stores under faults, in real time, with real bytes.
 
 Each test replays a small generated trace through the engine on the CPU world
-(``sim.realtime``): device <-> host copies of real bytes, host <-> storage
+(``kvflow.realtime``): device <-> host copies of real bytes, host <-> storage
 through a real block store on a thread pool, and a compute that writes
 key-derived bytes and checks every cached block it reads. Mid-replay the
 store is broken — a corrupt blob file, a disk that fills up, a store evicting
@@ -34,8 +34,8 @@ import pytest
 
 import kvflow.stores.local as local_store
 from kvflow.radix import ABSENT, COMPUTING, READY, Tier
+from kvflow.realtime import RealtimeConfig, RealtimeStack, engine_requests, tiny_spec
 from kvflow.stores import BlockStore, LocalDirStore, MemoryStore, Namespace
-from sim.realtime import RealtimeConfig, RealtimeStack, engine_requests, tiny_spec
 from traces.generate import multi_turn, shared_prefix
 
 SPEC = tiny_spec()

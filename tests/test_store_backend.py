@@ -19,11 +19,11 @@ import pytest
 
 from kernels.host_blocks import CudaHostBlocks
 from kvflow.backends import RoutedBackend
-from kvflow.cpu import HostCopyBackend, KeyedBlockExecutor, block_bytes
 from kvflow.errors import ConfigError, TransferError
 from kvflow.host_memory import HostArrays, HostMemory
 from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
+from kvflow.realtime.cpu import HostCopyBackend, KeyedBlockExecutor, block_bytes
 from kvflow.store_backend import StoreBackend, StoreMissError, store_key
 from kvflow.stores import AsyncStore, MemoryStore, Namespace, StoreDeadlineError, StoreStats
 

@@ -10,8 +10,8 @@ import time
 import pytest
 from test_report_helpers import FakeConfig, fake_run
 
-from sim import sweep as S
-from sim.report import METRICS
+from kvflow.reports import sweep as S
+from kvflow.reports.render import METRICS
 
 BASE = FakeConfig(trace="/data/t.jsonl")
 GRID = ["host_blocks=0,1000,4000", "eviction=lru,s3fifo"]

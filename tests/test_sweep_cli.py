@@ -16,7 +16,7 @@ import typer
 from cli_helpers import AppCli
 from test_report_helpers import FakeConfig, fake_run
 
-import sim.report_cli as report_cli
+import kvflow.reports.cli as report_cli
 from traces import sample_path
 
 app = typer.Typer(pretty_exceptions_enable=False)

@@ -23,9 +23,9 @@ from rich.table import Table
 from rich.text import Text
 
 from kvflow.errors import KvflowError
-from sim import report as rep
-from sim.compare import compare_reports, print_comparison
-from sim.sweep import (
+from kvflow.reports import render as rep
+from kvflow.reports.compare import compare_reports, print_comparison
+from kvflow.reports.sweep import (
     PointResult,
     SweepError,
     choose_x,
@@ -47,7 +47,7 @@ SWEEP_PLOTS = ("hit_rate", "ttft")
 def _replay_api() -> tuple[type, Callable[[Any], dict[str, Any]]]:
     """The replay config class and run function (a seam for tests to put a fake in)."""
     try:
-        from sim.replay import ReplayConfig, run_replay
+        from kvflow.replay import ReplayConfig, run_replay
     except ImportError as exc:
         fail(f"the replay engine is not available ({exc})")
     return ReplayConfig, run_replay
@@ -170,7 +170,7 @@ def compare_cmd(
 # -- sweep ------------------------------------------------------------------------------
 
 _SWEEP_EPILOG = """\
-Every --param NAME is a replay setting (a field of sim.replay.ReplayConfig,
+Every --param NAME is a replay setting (a field of kvflow.replay.ReplayConfig,
 e.g. host_blocks, device_blocks, eviction, write_policy, prefetch_policy, mode,
 limit, seed); several values make it an axis of the grid, one value fixes it.
 Writes DIR/sweep.csv (one row per point), DIR/sweep.json and plots of hit rate

@@ -14,7 +14,7 @@ reading the curves. This module does the three parts of that:
   is recorded with its error and the sweep goes on: an hour of results is not
   thrown away for one bad corner of the grid;
 * **output** — :func:`csv_text` (one row per point: the swept values, then every
-  metric of :data:`sim.report.METRICS`) and :func:`sweep_plots` (hit rate and
+  metric of :data:`kvflow.reports.render.METRICS`) and :func:`sweep_plots` (hit rate and
   TTFT p50/p99 against a numeric setting, one line per combination of the rest).
 
 The run function is injectable (``run=``) so the machinery can be tested without
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.errors import KvflowError
-from sim.report import METRICS, figure_png, flatten, new_figure
+from kvflow.reports.render import METRICS, figure_png, flatten, new_figure
 
 Param = tuple[str, list[Any]]
 RunFn = Callable[[Any], dict[str, Any]]
@@ -263,7 +263,7 @@ def _run_point(run: RunFn, cfg: Any) -> tuple[dict[str, Any] | None, str | None,
 
 def _default_run() -> RunFn:
     try:
-        from sim.replay import run_replay
+        from kvflow.replay import run_replay
     except ImportError as exc:
         raise SweepError(f"the replay engine is not available ({exc})") from None
     return run_replay

@@ -2,7 +2,7 @@
 
 The usual question is "what did this change buy": another eviction policy, a
 bigger host tier, a faster link. :func:`compare_reports` lines up every metric of
-:data:`sim.report.METRICS` (so it never drifts from what ``kvflow report`` shows),
+:data:`kvflow.reports.render.METRICS` (so it never drifts from what ``kvflow report`` shows),
 gives the difference ``B - A`` and the ratio ``B / A``, and says which side is
 better where that has a direction (hit rate up, latency down). Configuration
 fields that differ come first, because a comparison of two runs that differ in
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sim.report import (
+from kvflow.reports.render import (
     METRICS,
     Metric,
     flatten,

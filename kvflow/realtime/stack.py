@@ -1,22 +1,22 @@
-"""Replay requests in real time through real block stores, on the CPU world.
+"""Replay requests in real time through real block stores: the real-time CPU world.
 
-``sim.replay`` answers "what would happen" in virtual time, moving sizes only.
-This driver answers "does it work": the same engine, manager and runtime run
-on an ordinary asyncio loop (uvloop where available), device <-> host copies
-move real bytes between numpy arrays (``kvflow.cpu.HostCopyBackend``), host <->
-storage goes through a real ``BlockStore`` on a thread pool
-(``kvflow.store_backend.StoreBackend``; local directory, Redis, memory), and
-the compute writes and verifies key-derived bytes
-(``kvflow.cpu.KeyedBlockExecutor``), so a single wrong byte read from any tier
-is counted. It is the bench the storage fault tests run on: a store killed,
-corrupted, full or slow mid-replay must cost recomputes, never wrong data,
-never a leaked block.
+The simulator (``kvflow.replay`` in ``sim``'s world) answers "what would
+happen" in virtual time, moving sizes only. This world answers "does it
+work": the same engine, manager and runtime run on an ordinary asyncio loop
+(uvloop where available), device <-> host copies move real bytes between
+numpy arrays (``kvflow.realtime.cpu.HostCopyBackend``), host <-> storage goes
+through a real ``BlockStore`` on a thread pool (``kvflow.store_backend.
+StoreBackend``; local directory, Redis, memory), and the compute writes and
+verifies key-derived bytes (``kvflow.realtime.cpu.KeyedBlockExecutor``), so a
+single wrong byte read from any tier is counted. It is the bench the storage
+fault tests run on: a store killed, corrupted, full or slow mid-replay must
+cost recomputes, never wrong data, never a leaked block.
 
-It lives next to ``sim.replay`` because it shares its trace handling and its
-report format (the same keys, so ``kvflow report`` renders both; fields that
-only the simulator knows — ``sim_time_s``, the time series — are ``None`` or
-empty, and ``run_time_s``, ``store`` and ``compute`` are added). It needs no
-GPU; the GPU world (``kernels``) plugs the same ``StoreBackend`` behind a
+Its report has the replay report's keys (``kvflow.replay.report``), so
+``kvflow report`` renders both; fields that only the simulator knows —
+``sim_time_s``, the time series — are ``None`` or empty, and ``run_time_s``,
+``store`` and ``compute`` are added. It needs no GPU and neither world's
+package; the GPU world (``kernels``) plugs the same ``StoreBackend`` behind a
 ``RoutedBackend`` next to its ``CudaBackend``.
 
 A ``RealtimeStack`` keeps its manager, tiers and store across ``replay``
@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.backends import RoutedBackend
-from kvflow.cpu import HostCopyBackend, KeyedBlockExecutor
 from kvflow.engine import Engine, EngineConfig, EngineRequest
 from kvflow.errors import ConfigError
 from kvflow.host_memory import HostArrays
@@ -42,10 +41,14 @@ from kvflow.layout import ModelSpec
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import Tier
+from kvflow.realtime.cpu import HostCopyBackend, KeyedBlockExecutor
+from kvflow.replay.config import request_keys
+from kvflow.replay.report import REPORT_VERSION, hit_rates, summary
+from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
 from kvflow.store_backend import StoreBackend
 from kvflow.stores import AsyncStore, BlockStore
-from sim.replay import REPORT_VERSION, TransferLog, _hit_rates, _summary, request_keys
+from kvflow.world import new_loop
 from traces import Request
 
 #: Called before each arrival with (index, request); may be a coroutine (fault injection).
@@ -255,8 +258,8 @@ class RealtimeStack:
             "config": cfg,
             "requests": len(finished),
             "rejected": engine.stats.rejected,
-            "hit_rate": _hit_rates(hits, blocks),
-            "ttft_s": _summary(ttft), "tpot_s": _summary(tpot), "e2e_s": _summary(e2e),
+            "hit_rate": hit_rates(hits, blocks),
+            "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
             "throughput": {
                 "requests_per_s": len(finished) / span,
                 "output_tokens_per_s": sum(st.generated for st in finished) / span,
@@ -313,18 +316,6 @@ def _delta(now: Any, before: Any) -> Any:
             before, (int, float)):
         return now - before
     return now
-
-
-def new_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
-    """A fresh event loop: uvloop's where installed and asked for, else asyncio's."""
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
-            pass
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 def run_realtime(requests: Sequence[EngineRequest], cfg: RealtimeConfig | None = None,

@@ -1,0 +1,198 @@
+"""The replay driver: a trace through the manager, runtime and engine, in any world.
+
+``mode="full"`` runs the reference engine in a ``World`` (``kvflow.world``): the
+simulated one (virtual time: arrivals at their trace times, transfers over the
+link model, compute from the cost model) or a real one (wall-clock time, real
+copies and kernels). The driver is the same for every world: it reads the
+trace, builds the manager, runtime and engine, feeds arrivals, and builds the
+report (``kvflow.replay.report``); the world supplies the loop, the backend,
+the executor and the clocks. Worlds are loaded by name, lazily, so importing
+this module imports neither simpy nor CuPy.
+
+``mode="cache"`` replays arrivals in order through the cache alone (every copy
+lands at once, no time passes, no world): hit rates only, for capacity studies.
+
+Same inputs and seed give the same report, ``wall_s`` aside.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvflow.engine import Engine, EngineConfig
+from kvflow.errors import ConfigError
+from kvflow.manager import CacheManager, TransferOp
+from kvflow.replay.config import ReplayConfig, Setup, make_manager, resolve
+from kvflow.replay.report import Sampler, assemble_report, full_report, hit_rates
+from kvflow.replay.transfer_log import TransferLog
+from kvflow.runtime import Runtime
+from kvflow.world import Site, World, WorldSetup, load_world
+
+Inspect = Callable[[CacheManager, "Runtime | None"], None]
+
+
+def run_replay(cfg: ReplayConfig,
+               progress: Callable[[int, int], None] | None = None, *,
+               world: World | None = None,
+               configure_backend: Callable[[Any], None] | None = None,
+               inspect: Inspect | None = None,
+               timeout_s: float | None = None,
+               ) -> dict[str, Any]:
+    """Run one replay and return its report (a JSON-ready dict).
+
+    ``world``: where a full replay runs; default ``load_world(cfg.backend)``.
+    ``configure_backend`` sees the simulated backend before the first request
+    (fault injection); ``inspect`` sees the manager and runtime after the last
+    one (invariant checks); ``timeout_s`` bounds a full replay's run (a
+    ``ConfigError`` past it). All are for tests, experiments and calibration.
+    """
+    if configure_backend is not None:
+        if cfg.backend != "sim":
+            raise ConfigError("configure_backend is for the simulated backend only")
+        if world is None:
+            world = load_world("sim", configure_backend=configure_backend)
+    t0 = time.perf_counter()
+    if cfg.mode == "cache":
+        setup = resolve(cfg)
+        manager = make_manager(cfg, setup.capacities)
+        body = _replay_cache(setup, manager, progress)
+        if inspect is not None:
+            inspect(manager, None)
+        return assemble_report(cfg, setup, manager, body, t0)
+    if world is None:
+        world = load_world(cfg.backend)
+    setup = resolve(cfg, world)
+    manager = make_manager(cfg, setup.capacities)
+    body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect, timeout_s))
+    return assemble_report(cfg, setup, manager, body, t0)
+
+
+def _replay_cache(setup: Setup, manager: CacheManager,
+                  progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+    hits = [0, 0, 0]
+    blocks = rejected = 0
+    cap = setup.capacities.device
+    total = len(setup.requests)
+    for i, req in enumerate(setup.requests):
+        keys = req.keys[:cap]  # what cannot fit on the device is recomputed, uncached
+        plan = manager.plan(req.request_id, keys)
+        _land(manager, plan.ops)
+        manager.commit(plan)
+        _land(manager, manager.finish(plan))
+        for t in (0, 1, 2):
+            hits[t] += plan.hits(t)
+        blocks += len(req.keys)
+        rejected += len(req.keys) > cap
+        if progress is not None and (i % 256 == 0 or i + 1 == total):
+            progress(i + 1, total)
+    return {
+        "requests": total, "rejected": 0, "truncated": rejected,
+        "hit_rate": hit_rates(hits, blocks),
+        "ttft_s": None, "tpot_s": None, "e2e_s": None, "throughput": None,
+        "bytes": None, "link_utilization": None,
+        "prefetch": None, "errors": {"failed_transfers": 0, "recomputed_blocks": 0},
+        "sim_time_s": None, "timeseries": {}, "samples": {},
+    }
+
+
+def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
+    """Cache mode: every copy lands at once, follow-ups too."""
+    queue = list(ops)
+    while queue:
+        queue += manager.complete(queue.pop(0), True)
+
+
+# -- full mode ------------------------------------------------------------------------------
+async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager, world: World,
+                          progress: Callable[[int, int], None] | None = None,
+                          inspect: Inspect | None = None,
+                          timeout_s: float | None = None) -> dict[str, Any]:
+    """The full-mode body: the engine in ``world``, fed the trace's arrivals."""
+    site = await world.start(WorldSetup(setup.spec, setup.profile, setup.capacities,
+                                        cfg.seed, cfg.max_batch_tokens + cfg.max_running))
+    try:
+        return await _drive(cfg, setup, manager, site, progress, inspect, timeout_s)
+    finally:
+        await site.stop()
+
+
+async def _drive(cfg: ReplayConfig, setup: Setup, manager: CacheManager, site: Site,
+                 progress: Callable[[int, int], None] | None,
+                 inspect: Inspect | None, timeout_s: float | None) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    log = TransferLog(site.backend, loop, site.service_s)
+    runtime, engine, sampler = wire_engine(cfg, setup, manager, log, site.executor, loop,
+                                           progress)
+    engine.clock = site.clock
+    total = len(setup.requests)
+    start = site.clock()
+    arrivals = [start + r.arrival_s for r in setup.requests]
+    cursor = 0  # index of the next request to arrive
+
+    def next_arrival() -> float | None:
+        return arrivals[cursor] if cursor < total else None
+
+    engine.next_arrival = next_arrival
+
+    async def feed_and_run() -> None:
+        nonlocal cursor
+        for cursor, req in enumerate(setup.requests):  # cursor is read by next_arrival
+            await site.sleep_until(arrivals[cursor])
+            engine.add(req)
+        cursor = total
+        engine.close()
+        await run
+
+    run = loop.create_task(engine.run(), name="engine")
+    sample_task = loop.create_task(sampler.run(), name="sampler")
+    try:
+        if timeout_s is None:
+            await feed_and_run()
+        else:
+            await asyncio.wait_for(feed_and_run(), timeout_s)
+    except TimeoutError:
+        raise ConfigError(f"the replay did not finish within {timeout_s:.0f} s "
+                          f"({len(engine.done)} of {total} requests done)") from None
+    finally:
+        sample_task.cancel()
+        if not run.done():
+            run.cancel()
+    site.settle()
+    sampler.sample()  # the last, partial interval
+    end = site.clock()
+    if inspect is not None:
+        inspect(manager, runtime)
+    if start != 0.0:  # the report counts from the first arrival at 0
+        for st in engine.done:
+            for name in ("admit_s", "first_token_s", "finish_s"):
+                v = getattr(st, name)
+                if v is not None:
+                    setattr(st, name, v - start)
+        sampler.t = [round(t - start, 6) for t in sampler.t]
+    body = full_report(setup, engine, runtime, log, sampler, end - start)
+    extra = site.report(log)
+    if extra:
+        body.update(extra)
+    return body
+
+
+def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: TransferLog,
+                executor: Any, loop: asyncio.AbstractEventLoop,
+                progress: Callable[[int, int], None] | None
+                ) -> tuple[Runtime, Engine, Sampler]:
+    """Runtime, engine and sampler over a world's logged backend and executor.
+
+    Every world's replay builds these alike, which is what makes their reports
+    comparable.
+    """
+    spec = setup.spec
+    runtime = Runtime(manager, log, spec.bytes_per_block, loop)
+    engine = Engine(manager, runtime, executor,
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+    if progress is not None:
+        total = len(setup.requests)
+        engine.on_finish = lambda st: progress(len(engine.done), total)
+    return runtime, engine, Sampler(engine, log, executor, cfg.sample_interval_s)
