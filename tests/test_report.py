@@ -11,6 +11,7 @@ import typer
 from cli_helpers import AppCli
 from test_report_helpers import FULL_PLOTS, embedded_pngs, make_report, rendered
 
+from kvflow.reports import page as P
 from kvflow.reports import render as R
 from kvflow.reports.cli import register
 
@@ -122,17 +123,17 @@ def test_flatten_and_get_path() -> None:
 
 
 def test_plots_full_and_cache() -> None:
-    plots = R.make_plots(make_report())
+    plots = P.make_plots(make_report())
     assert list(plots) == list(FULL_PLOTS)
     for png in plots.values():
         assert png.startswith(PNG_MAGIC) and 5_000 < len(png) < 200_000
-    assert list(R.make_plots(make_report(mode="cache"))) == ["hit_rate_tiers"]
+    assert list(P.make_plots(make_report(mode="cache"))) == ["hit_rate_tiers"]
 
 
 def test_html_is_self_contained() -> None:
     report = make_report()
-    plots = R.make_plots(report)
-    page = R.render_html(report, plots, source="run.json")
+    plots = P.make_plots(report)
+    page = P.render_html(report, plots, source="run.json")
     assert embedded_pngs(page) == list(plots.values())
     assert not re.search(r"(src|href)=\"(?!data:)", page)  # nothing fetched from anywhere
     assert "<script" not in page and "http://" not in page and "https://" not in page
@@ -141,7 +142,7 @@ def test_html_is_self_contained() -> None:
 
 
 def test_html_escapes_config_values() -> None:
-    page = R.render_html(make_report(trace="<b>evil</b>.jsonl"), {})
+    page = P.render_html(make_report(trace="<b>evil</b>.jsonl"), {})
     assert "<b>evil" not in page and "&lt;b&gt;evil" in page
 
 

@@ -14,8 +14,10 @@ from test_report_helpers import FULL_PLOTS, embedded_pngs, rendered
 
 from cli import app
 from kvflow.replay import ReplayConfig, run_replay
+from kvflow.reports import page as P
 from kvflow.reports import render as R
 from kvflow.reports import sweep as S
+from kvflow.reports import sweep_plots as SP
 from kvflow.reports.compare import compare_reports
 
 cli = AppCli(app, columns=160).run
@@ -43,9 +45,9 @@ def test_cache_mode_replay_renders(cache_report: dict) -> None:
     text = rendered(cache_report)
     every_metric_shown(cache_report, text)
     assert "not simulated in cache mode" in text and "50" in text
-    plots = R.make_plots(cache_report)
+    plots = P.make_plots(cache_report)
     assert list(plots) == ["hit_rate_tiers"]
-    page = R.render_html(cache_report, plots)
+    page = P.render_html(cache_report, plots)
     assert page.count("data:image/png;base64,") == 1
 
 
@@ -54,9 +56,9 @@ def test_full_mode_replay_renders(full_report: dict) -> None:
     text = rendered(full_report)
     every_metric_shown(full_report, text)
     assert R.fmt_secs(full_report["ttft_s"]["p50"]) in text
-    plots = R.make_plots(full_report)
+    plots = P.make_plots(full_report)
     assert list(plots) == list(FULL_PLOTS)
-    page = R.render_html(full_report, plots)
+    page = P.render_html(full_report, plots)
     assert embedded_pngs(page) == list(plots.values())
     cmp = compare_reports(full_report, full_report)
     assert all(r.delta in (0, None) for r in cmp.rows if r.metric.key != "wall_s")
@@ -98,7 +100,7 @@ def test_real_sweep_local_pool_and_dask_agree(tmp_path: Path) -> None:
     assert all(r.ok for r in remote)
 
     def hits(results: list[S.PointResult]) -> list[tuple[str, ...]]:
-        rows = csv.DictReader(io.StringIO(S.csv_text(results, [n for n, _ in ps])))
+        rows = csv.DictReader(io.StringIO(SP.csv_text(results, [n for n, _ in ps])))
         return [(r["host_blocks"], r["eviction"], r["hit_rate.total"]) for r in rows]
 
     assert hits(local) == hits(remote)

@@ -11,6 +11,7 @@ import pytest
 from test_report_helpers import FakeConfig, fake_run
 
 from kvflow.reports import sweep as S
+from kvflow.reports import sweep_plots as SP
 from kvflow.reports.render import METRICS
 
 BASE = FakeConfig(trace="/data/t.jsonl")
@@ -175,7 +176,7 @@ def test_dask_local_cluster() -> None:
     local = S.run_grid(
         BASE, params("host_blocks=0,666,1000", "eviction=lru,lfu"), fake_run, workers=1
     )
-    assert S.csv_text(results, ["host_blocks", "eviction"]) == S.csv_text(
+    assert SP.csv_text(results, ["host_blocks", "eviction"]) == SP.csv_text(
         local, ["host_blocks", "eviction"]
     )
 
@@ -198,8 +199,8 @@ def test_dask_unreachable_scheduler_is_one_clear_error() -> None:
 def test_csv_rows_and_columns() -> None:
     ps = params("host_blocks=0,666,4000", "eviction=lru,s3fifo", "limit=none")
     results = S.run_grid(BASE, ps, fake_run, workers=1)
-    rows = list(csv.DictReader(io.StringIO(S.csv_text(results, [n for n, _ in ps]))))
-    header = S.csv_header([n for n, _ in ps])
+    rows = list(csv.DictReader(io.StringIO(SP.csv_text(results, [n for n, _ in ps]))))
+    header = SP.csv_header([n for n, _ in ps])
     assert header[:4] == ["point", "host_blocks", "eviction", "limit"] and header[-1] == "error"
     assert header[4:-1] == [m.key for m in METRICS]
     assert len(rows) == 6
@@ -218,21 +219,21 @@ def test_csv_rows_and_columns() -> None:
 
 
 def test_choose_x() -> None:
-    assert S.choose_x(params("eviction=lru,lfu", "seed=1,2", "host_blocks=0,10")) == "host_blocks"
-    assert S.choose_x(params("eviction=lru,lfu", "seed=1,2")) == "seed"
-    assert S.choose_x(params("eviction=lru,lfu", "host_blocks=5")) == "eviction"
-    assert S.choose_x(params("host_blocks=5")) is None
-    assert S.choose_x(params("host_blocks=0,5", "seed=1,2"), "seed") == "seed"
+    assert SP.choose_x(params("eviction=lru,lfu", "seed=1,2", "host_blocks=0,10")) == "host_blocks"
+    assert SP.choose_x(params("eviction=lru,lfu", "seed=1,2")) == "seed"
+    assert SP.choose_x(params("eviction=lru,lfu", "host_blocks=5")) == "eviction"
+    assert SP.choose_x(params("host_blocks=5")) is None
+    assert SP.choose_x(params("host_blocks=0,5", "seed=1,2"), "seed") == "seed"
     with pytest.raises(S.SweepError, match="--x model: not a swept parameter"):
-        S.choose_x(params("host_blocks=0,5"), "model")
+        SP.choose_x(params("host_blocks=0,5"), "model")
 
 
 def test_sweep_plots() -> None:
     ps = params("host_blocks=0,1000,4000", "eviction=lru,s3fifo")
-    plots = S.sweep_plots(S.run_grid(BASE, ps, fake_run, workers=1), ps)
+    plots = SP.sweep_plots(S.run_grid(BASE, ps, fake_run, workers=1), ps)
     assert list(plots) == ["hit_rate", "ttft"]
     assert all(p.startswith(b"\x89PNG") for p in plots.values())
     cache = params("host_blocks=0,1000", "mode=cache")
-    assert list(S.sweep_plots(S.run_grid(BASE, cache, fake_run, workers=1), cache)) == ["hit_rate"]
+    assert list(SP.sweep_plots(S.run_grid(BASE, cache, fake_run, workers=1), cache)) == ["hit_rate"]
     one = params("host_blocks=1000")
-    assert S.sweep_plots(S.run_grid(BASE, one, fake_run, workers=1), one) == {}
+    assert SP.sweep_plots(S.run_grid(BASE, one, fake_run, workers=1), one) == {}

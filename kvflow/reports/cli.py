@@ -23,20 +23,18 @@ from rich.table import Table
 from rich.text import Text
 
 from kvflow.errors import KvflowError
+from kvflow.reports import page
 from kvflow.reports import render as rep
 from kvflow.reports.compare import compare_reports, print_comparison
 from kvflow.reports.sweep import (
     PointResult,
     SweepError,
-    choose_x,
-    csv_text,
     expand_grid,
     parse_params,
     run_grid,
-    summary,
-    sweep_plots,
     value_word,
 )
+from kvflow.reports.sweep_plots import choose_x, csv_text, summary, sweep_plots
 from traces.cli import OneLineCommand, fail, resolve_path, user_errors
 
 SWEEP_CSV = "sweep.csv"
@@ -104,20 +102,20 @@ def report_cmd(
         report = rep.load_report(report_file)
         targets: dict[Path, bytes | str] = {}
         if html_file is not None:
-            rep.check_targets([html_file], force)
+            page.check_targets([html_file], force)
         if png is not None:
-            rep.check_dir(png)
+            page.check_dir(png)
         if png is not None or html_file is not None:
             spinner = err.status("rendering plots ...") if err.is_terminal else nullcontext()
             with spinner:
-                plots = rep.make_plots(report)
+                plots = page.make_plots(report)
             if png is not None:
-                paths = rep.png_targets(png, list(plots))
+                paths = page.png_targets(png, list(plots))
                 targets.update({paths[name]: data for name, data in plots.items()})
             if html_file is not None:
                 title = f"kvflow report — {report_file.name}"
-                targets[html_file] = rep.render_html(report, plots, title, str(report_file))
-        written = rep.write_files(targets, force=force)
+                targets[html_file] = page.render_html(report, plots, title, str(report_file))
+        written = page.write_files(targets, force=force)
     if as_json:
         _print_json(
             {
@@ -267,8 +265,8 @@ def sweep_cmd(
     if keep_reports:
         targets += [_report_path(out_dir, p.index) for p in points]
     with user_errors(KvflowError):
-        rep.check_dir(out_dir)
-        rep.check_targets(targets, force)  # before an hour of replays, not after
+        page.check_dir(out_dir)
+        page.check_targets(targets, force)  # before an hour of replays, not after
 
     err = Console(stderr=True, highlight=False)
     with user_errors(KvflowError), _progress(err, len(points)) as progress:
@@ -295,7 +293,7 @@ def sweep_cmd(
     summ = summary(base, params, results, listed)
     files[out_dir / SWEEP_JSON] = json.dumps(summ, indent=2, default=str) + "\n"
     with user_errors(KvflowError):
-        rep.write_files(files, force=force)
+        page.write_files(files, force=force)
 
     if as_json:
         _print_json(summ)
