@@ -46,13 +46,25 @@ def _fmt_s(summary: dict[str, float] | None, key: str) -> str:
     return f"{v * 1e3:.1f} ms" if v < 10 else f"{v:.2f} s"
 
 
+def _instances(value: str, mode: str, backend: str) -> int | str:
+    """``--instances``: a count, or ``auto`` (one where a cluster cannot run)."""
+    if value == "auto":
+        return "auto" if mode == "full" and backend == "sim" else 1
+    try:
+        return int(value)
+    except ValueError:
+        fail(f"--instances must be a whole number or 'auto', got {value!r}")
+
+
 def print_summary(report: dict[str, Any], console: Console) -> None:
-    """The replay's headline numbers as rich tables."""
+    """The replay's headline numbers as rich tables, the offered load beside them."""
     cfg = report["config"]
+    n = cfg.get("instances", 1)
+    where = f"{n} x {cfg['profile']}" if n != 1 else cfg["profile"]
     t = Table(title=f"kvflow replay — {Path(cfg['trace']).name}, {cfg['model']} on "
-                    f"{cfg['profile']}, {cfg['mode']} mode")
+                    f"{where}, {cfg['mode']} mode")
     t.add_column("tier")
-    t.add_column("blocks", justify="right")
+    t.add_column("blocks" if n == 1 else "blocks per instance", justify="right")
     t.add_column("hit rate", justify="right")
     t.add_column("evictions", justify="right")
     for tier in ("device", "host", "storage"):
@@ -67,9 +79,10 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
         lat.add_column("latency")
         for k in ("mean", "p50", "p90", "p99"):
             lat.add_column(k, justify="right")
-        for name in ("ttft_s", "tpot_s", "e2e_s"):
-            lat.add_row(name[:-2].upper(), *(_fmt_s(report[name], k)
-                                             for k in ("mean", "p50", "p90", "p99")))
+        for name in ("ttft_s", "tpot_s", "e2e_s", "queue_s"):
+            if report.get(name):
+                lat.add_row(name[:-2].upper() if name != "queue_s" else "queue",
+                            *(_fmt_s(report[name], k) for k in ("mean", "p50", "p90", "p99")))
         console.print(lat)
         thr = report["throughput"]
         util = report["link_utilization"]
@@ -85,9 +98,61 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
             console.print(f"[yellow]{err['failed_transfers']} transfers failed or cancelled, "
                           f"{err['recomputed_blocks']} blocks recomputed, "
                           f"{report['rejected']} requests rejected[/yellow]")
+        if report.get("cluster"):
+            _print_cluster(report, console)
+        if report.get("slo"):
+            slo = report["slo"]
+            good = slo["goodput_requests_per_s"]
+            console.print(f"SLO (TTFT <= {slo['ttft_s']} s, TPOT <= {slo['tpot_s']} s): "
+                          f"{slo['attainment']:.1%} of {slo['requests']:,} requests met both; "
+                          f"goodput {good:.2f} req/s" if good is not None else "")
     else:
         console.print(f"{report['requests']:,} requests replayed for hit rates in "
                       f"{report['wall_s']:.1f} s")
+    _print_load(report, console)
+
+
+def _print_load(report: dict[str, Any], console: Console) -> None:
+    """Offered load against capacity; a plain warning when the run is overloaded."""
+    load = report.get("load")
+    if not load or load["offered"].get("prompt_tokens_per_s") is None:
+        return
+    off, cap = load["offered"], load["capacity_per_instance"]
+    n = load["instances"]
+    util = load["utilization_predicted"]
+    how = " (--instances auto)" if load.get("instances_auto") else ""
+    console.print(
+        f"offered load {off['requests_per_s']:.2f} req/s, {off['prompt_tokens_per_s']:,.0f} "
+        f"prompt tok/s, {off['output_tokens_per_s']:,.0f} output tok/s; one instance serves "
+        f"{cap['prefill_tokens_per_s']:,.0f} prefill tok/s and {cap['decode_tokens_per_s']:,.0f}"
+        f" decode tok/s (cost model): predicted utilisation {util:.2f} on {n} "
+        f"instance{'s' if n != 1 else ''}{how}")
+    if load["overloaded"] and report.get("ttft_s"):
+        console.print(
+            f"[bold red]overloaded:[/bold red] requests arrive faster than {n} "
+            f"instance{'s' if n != 1 else ''} serve them, so the queue grows for as long as "
+            f"they arrive and the TTFT above is mostly queueing, not latency. "
+            f"About {load['instances_suggested']} instances serve this trace at a "
+            f"utilisation of 0.7 (--instances {load['instances_suggested']} or auto), or slow "
+            f"the arrivals (--rate-scale).")
+
+
+def _print_cluster(report: dict[str, Any], console: Console) -> None:
+    c = report["cluster"]
+    t = Table(title=f"{len(report['instances'])} instances, router {c['router']} "
+                    f"({c['view']} view): load imbalance max/mean "
+                    f"{c['imbalance_requests']:.2f} (requests), "
+                    f"{c['imbalance_prompt_tokens']:.2f} (prompt tokens)")
+    for col in ("instance", "requests", "hit rate", "TTFT p50", "queue p50", "compute busy",
+                "h2d busy"):
+        t.add_column(col, justify="right")
+    for row in report["instances"]:
+        busy = row["compute_utilization"]
+        t.add_row(str(row["instance"]), f"{row['requests']:,}",
+                  f"{row['hit_rate']['total']:.1%}", _fmt_s(row["ttft_s"], "p50"),
+                  _fmt_s(row["queue_s"], "p50"), "-" if busy is None else f"{busy:.0%}",
+                  f"{row['link_utilization']['h2d']:.1%}")
+    console.print(t)
 
 
 @app.command(cls=OneLineCommand, epilog=(
@@ -128,6 +193,26 @@ def replay(
     backend: Annotated[Backend, typer.Option(
         help="sim: the simulated hierarchy; cuda: the engine on this machine's GPU "
              "(real kernels, wall-clock time; no storage tier).")] = Backend.sim,
+    instances: Annotated[str, typer.Option(
+        help="Engine instances (each its own GPU, tiers and scheduler), or 'auto': the "
+             "fewest that serve the trace at a predicted utilisation of 0.7.")] = "auto",
+    router: Annotated[str, typer.Option(
+        help="round_robin, random, least_loaded, prefix (cache-aware, Dynamo's cost) or "
+             "ttft (predicted time to first token).")] = "prefix",
+    router_view: Annotated[str, typer.Option(
+        help="exact: the router sees the instances' caches and queues; approx: only its "
+             "own record of what it sent where.")] = "exact",
+    rate_scale: Annotated[float, typer.Option(
+        help="Replay the trace X times faster (arrival times divided by X).")] = 1.0,
+    duration: Annotated[float | None, typer.Option(
+        help="Only requests arriving in the first S seconds (after --rate-scale).")] = None,
+    rate: Annotated[float | None, typer.Option(
+        help="Poisson arrivals at R requests/s (seeded) instead of the trace's times.")]
+    = None,
+    slo_ttft: Annotated[float | None, typer.Option(
+        help="TTFT target in seconds: the report gives SLO attainment and goodput.")] = None,
+    slo_tpot: Annotated[float | None, typer.Option(
+        help="TPOT target in seconds (with or without --slo-ttft).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -146,7 +231,10 @@ def replay(
             storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
             write_threshold=write_threshold, prefetch_policy=prefetch_policy,
             mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
-            skip_bad=skip_bad, backend=backend.value)
+            skip_bad=skip_bad, backend=backend.value,
+            instances=_instances(instances, mode.value, backend.value), router=router,
+            router_view=router_view, rate_scale=rate_scale, duration_s=duration, rate=rate,
+            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
                       transient=True) as bar:

@@ -151,7 +151,10 @@ class Engine:
         self._closed = False
         # Wakes the loop when a transfer lands while the head of the queue waits for one.
         self._room_waiter: asyncio.Task[None] | None = None
+        #: Called once per request as it leaves: finished, or rejected (``st.error`` set).
         self.on_finish: Callable[[RequestState], None] | None = None
+        #: Called as a request's prefill completes (its first token); a router's exact view.
+        self.on_first_token: Callable[[RequestState], None] | None = None
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
         self.next_arrival: Callable[[], float | None] | None = None
@@ -166,6 +169,8 @@ class Engine:
             st.error = f"needs {blocks} device blocks, the device has {self._max_blocks}"
             self.stats.rejected += 1
             self.done.append(st)
+            if self.on_finish is not None:
+                self.on_finish(st)
             return st
         self.waiting.append(st)
         # Storage reads start now, not at admission: they overlap the queueing.
@@ -264,6 +269,8 @@ class Engine:
                 st.error = "does not fit on the device even with every other block evicted"
                 self.stats.rejected += 1
                 self.done.append(st)
+                if self.on_finish is not None:
+                    self.on_finish(st)
                 continue
             self.runtime.submit_all(self._take_detached())
             self.waiting.popleft()
@@ -468,6 +475,8 @@ class Engine:
                     manager.commit(st.plan)  # type: ignore[arg-type]
                     st.first_token_s = now
                     st.generated = 1
+                    if self.on_first_token is not None:
+                        self.on_first_token(st)
             else:
                 st.generated += 1
             if st.first_token_s is not None and st.generated >= max(1, st.req.output_len):

@@ -26,7 +26,7 @@ grimp = pytest.importorskip("grimp", reason="import-linter (a dev dependency) is
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvflow", "sim", "kernels", "traces")
 #: kvflow modules above the engine: they may import the core, never the other way round.
-UPPER = {"kvflow.replay", "kvflow.reports", "kvflow.realtime"}
+UPPER = {"kvflow.replay", "kvflow.reports", "kvflow.realtime", "kvflow.cluster"}
 
 
 def _load_pyproject() -> dict:

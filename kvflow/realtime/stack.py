@@ -260,6 +260,8 @@ class RealtimeStack:
             "rejected": engine.stats.rejected,
             "hit_rate": hit_rates(hits, blocks),
             "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
+            "queue_s": summary([st.admit_s - start - st.req.arrival_s for st in finished]),
+            "slo": None, "load": None,  # (no cost model for the CPU world's compute)
             "throughput": {
                 "requests_per_s": len(finished) / span,
                 "output_tokens_per_s": sum(st.generated for st in finished) / span,

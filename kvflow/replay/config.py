@@ -7,7 +7,9 @@ before any trace is read.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
+import random
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,24 @@ class ReplayConfig:
     sample_interval_s: float = 10.0
     skip_bad: bool = False
     backend: str = "sim"
+    # -- a cluster of instances (kvflow.cluster) ---------------------------------------------
+    #: Engine instances, each with its own device and host tiers, links and scheduler;
+    #: "auto": the fewest that bring the predicted utilisation to 0.7 (``kvflow.replay.load``).
+    instances: int | str = 1
+    #: How a request picks its instance: ``kvflow.cluster.router.ROUTERS``.
+    router: str = "round_robin"
+    #: What the router sees of instances: "exact" (their events) or "approx" (its own record).
+    router_view: str = "exact"
+    # -- load -----------------------------------------------------------------------------------
+    #: Replay the trace this many times faster (arrival times divided by it).
+    rate_scale: float = 1.0
+    #: Only requests arriving within this many seconds (after scaling).
+    duration_s: float | None = None
+    #: Poisson arrivals at this many requests/s (seeded) instead of the trace's times.
+    rate: float | None = None
+    # -- service targets ----------------------------------------------------------------------
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +90,30 @@ class ReplayConfig:
                 raise ConfigError(f"give {tier}_blocks or {tier}_gb, not both")
         if self.sample_interval_s <= 0:
             raise ConfigError("sample_interval_s must be positive")
+        if self.instances != "auto" and (isinstance(self.instances, bool)
+                                         or not isinstance(self.instances, int)
+                                         or self.instances < 1):
+            raise ConfigError(f"instances must be an integer >= 1 or 'auto', "
+                              f"got {self.instances!r}")
+        if self.instances != "auto" and self.instances > 1:
+            if self.backend != "sim":
+                raise ConfigError("several instances run in the simulated world only "
+                                  "(backend 'sim')")
+            if self.mode != "full":
+                raise ConfigError("several instances replay in full mode only "
+                                  "(cache mode replays one cache)")
+        from kvflow.cluster.router import ROUTERS, VIEWS  # the cluster sits above the driver
+
+        if self.router not in ROUTERS:
+            raise ConfigError(f"unknown router {self.router!r}; valid: {', '.join(ROUTERS)}")
+        if self.router_view not in VIEWS:
+            raise ConfigError(f"unknown router_view {self.router_view!r}; valid: "
+                              f"{', '.join(VIEWS)}")
+        for name in ("rate_scale", "duration_s", "rate", "slo_ttft_s", "slo_tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
         # Fail early, with the field named, rather than mid-replay.
         WritePolicy(self.write_policy, threshold=self.write_threshold)
         PrefetchPolicy(self.prefetch_policy)
@@ -118,15 +162,30 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
     profile = load_profile(cfg.profile)
     hasher = BlockHasher(trace.block_tokens)
     requests = []
+    arrivals = poisson_arrivals(cfg.rate, cfg.seed) if cfg.rate is not None else None
     for req in trace:
         if cfg.limit is not None and len(requests) >= cfg.limit:
             break
-        requests.append(EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
+        arrival = next(arrivals) if arrivals is not None else req.arrival_s
+        if cfg.rate_scale != 1.0:
+            arrival = arrival / cfg.rate_scale
+        if cfg.duration_s is not None and arrival >= cfg.duration_s:
+            continue  # (a trace need not be in time order)
+        requests.append(EngineRequest(req.index, arrival, request_keys(req, hasher),
                                       req.input_len, req.output_len))
     want = cfg.tier_request()
     capacities = (default_capacities(spec, profile, want) if world is None
                   else world.capacities(spec, profile, want))
     return Setup(spec, profile, capacities, requests, str(path), trace.skipped)
+
+
+def poisson_arrivals(rate: float, seed: int) -> Iterator[float]:
+    """Arrival times of a Poisson process at ``rate`` requests/s from 0 (seeded)."""
+    rng = random.Random(seed)
+    t = 0.0
+    while True:
+        yield t
+        t += rng.expovariate(rate)
 
 
 def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:

@@ -18,15 +18,25 @@ Same inputs and seed give the same report, ``wall_s`` aside.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
 from kvflow.replay.config import ReplayConfig, Setup, make_manager, resolve
-from kvflow.replay.report import Sampler, assemble_report, full_report, hit_rates
+from kvflow.replay.load import load_section
+from kvflow.replay.report import (
+    Part,
+    Sampler,
+    assemble_report,
+    full_report,
+    hit_rates,
+    instance_rows,
+)
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
 from kvflow.world import Site, World, WorldSetup, load_world
@@ -56,6 +66,8 @@ def run_replay(cfg: ReplayConfig,
             world = load_world("sim", configure_backend=configure_backend)
     t0 = time.perf_counter()
     if cfg.mode == "cache":
+        if cfg.instances == "auto":
+            cfg = dataclasses.replace(cfg, instances=1)
         setup = resolve(cfg)
         manager = make_manager(cfg, setup.capacities)
         body = _replay_cache(setup, manager, progress)
@@ -65,9 +77,24 @@ def run_replay(cfg: ReplayConfig,
     if world is None:
         world = load_world(cfg.backend)
     setup = resolve(cfg, world)
+    auto = cfg.instances == "auto"
+    if auto:
+        cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
     manager = make_manager(cfg, setup.capacities)
     body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect, timeout_s))
-    return assemble_report(cfg, setup, manager, body, t0)
+    report = assemble_report(cfg, setup, manager, body, t0)
+    report["load"]["instances_auto"] = auto
+    return report
+
+
+def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
+    """``instances="auto"``: the fewest instances for a predicted utilisation of 0.7
+    (one where the world runs a single engine: the GPU)."""
+    if cfg.backend != "sim":
+        return 1
+    load = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
+                        cfg.max_batch_tokens, cfg.max_running, 1)
+    return int(load["instances_suggested"])
 
 
 def _replay_cache(setup: Setup, manager: CacheManager,
@@ -110,24 +137,45 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                           progress: Callable[[int, int], None] | None = None,
                           inspect: Inspect | None = None,
                           timeout_s: float | None = None) -> dict[str, Any]:
-    """The full-mode body: the engine in ``world``, fed the trace's arrivals."""
-    site = await world.start(WorldSetup(setup.spec, setup.profile, setup.capacities,
-                                        cfg.seed, cfg.max_batch_tokens + cfg.max_running))
+    """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
+    through the router (one instance: ``manager`` is its manager)."""
+    managers = [manager] + [make_manager(cfg, setup.capacities)
+                            for _ in range(cfg.instances - 1)]
+    sites: list[Site] = []
     try:
-        return await _drive(cfg, setup, manager, site, progress, inspect, timeout_s)
+        for _ in managers:
+            sites.append(await world.start(WorldSetup(
+                setup.spec, setup.profile, setup.capacities, cfg.seed,
+                cfg.max_batch_tokens + cfg.max_running)))
+        return await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s)
     finally:
-        await site.stop()
+        for site in sites:
+            await site.stop()
 
 
-async def _drive(cfg: ReplayConfig, setup: Setup, manager: CacheManager, site: Site,
-                 progress: Callable[[int, int], None] | None,
+async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
+                 sites: list[Site], progress: Callable[[int, int], None] | None,
                  inspect: Inspect | None, timeout_s: float | None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    log = TransferLog(site.backend, loop, site.service_s)
-    runtime, engine, sampler = wire_engine(cfg, setup, manager, log, site.executor, loop,
-                                           progress)
-    engine.clock = site.clock
+    site = sites[0]  # the clock and the arrivals' sleeps (all instances share the loop)
+    parts: list[Part] = []
     total = len(setup.requests)
+    finished = 0
+
+    def on_progress(_st: Any) -> None:
+        nonlocal finished
+        finished += 1
+        if progress is not None:
+            progress(finished, total)
+
+    for mgr, s in zip(managers, sites, strict=True):
+        log = TransferLog(s.backend, loop, s.service_s)
+        runtime, engine, sampler = wire_engine(cfg, setup, mgr, log, s.executor, loop, None)
+        engine.clock = s.clock
+        engine.on_finish = on_progress
+        parts.append(Part(engine, runtime, log, sampler))
+    cluster = Cluster(cfg, setup, parts) if len(parts) > 1 else None
+    engines = [p.engine for p in parts]
     start = site.clock()
     arrivals = [start + r.arrival_s for r in setup.requests]
     cursor = 0  # index of the next request to arrive
@@ -135,19 +183,27 @@ async def _drive(cfg: ReplayConfig, setup: Setup, manager: CacheManager, site: S
     def next_arrival() -> float | None:
         return arrivals[cursor] if cursor < total else None
 
-    engine.next_arrival = next_arrival
+    for engine in engines:
+        engine.next_arrival = next_arrival
 
     async def feed_and_run() -> None:
         nonlocal cursor
         for cursor, req in enumerate(setup.requests):  # cursor is read by next_arrival
             await site.sleep_until(arrivals[cursor])
-            engine.add(req)
+            if cluster is None:
+                engines[0].add(req)
+            else:
+                cluster.add(req, site.clock())
         cursor = total
-        engine.close()
-        await run
+        for engine in engines:
+            engine.close()
+        for run in runs:
+            await run
 
-    run = loop.create_task(engine.run(), name="engine")
-    sample_task = loop.create_task(sampler.run(), name="sampler")
+    runs, samplers = [], []
+    for p in parts:
+        runs.append(loop.create_task(p.engine.run(), name="engine"))
+        samplers.append(loop.create_task(p.sampler.run(), name="sampler"))
     try:
         if timeout_s is None:
             await feed_and_run()
@@ -155,27 +211,38 @@ async def _drive(cfg: ReplayConfig, setup: Setup, manager: CacheManager, site: S
             await asyncio.wait_for(feed_and_run(), timeout_s)
     except TimeoutError:
         raise ConfigError(f"the replay did not finish within {timeout_s:.0f} s "
-                          f"({len(engine.done)} of {total} requests done)") from None
+                          f"({finished} of {total} requests done)") from None
     finally:
-        sample_task.cancel()
-        if not run.done():
-            run.cancel()
-    site.settle()
-    sampler.sample()  # the last, partial interval
+        for task in samplers:
+            task.cancel()
+        for run in runs:
+            if not run.done():
+                run.cancel()
+    for s in sites:
+        s.settle()
+    for p in parts:
+        p.sampler.sample()  # the last, partial interval
     end = site.clock()
     if inspect is not None:
-        inspect(manager, runtime)
+        for p in parts:
+            inspect(p.runtime.manager, p.runtime)
     if start != 0.0:  # the report counts from the first arrival at 0
-        for st in engine.done:
-            for name in ("admit_s", "first_token_s", "finish_s"):
-                v = getattr(st, name)
-                if v is not None:
-                    setattr(st, name, v - start)
-        sampler.t = [round(t - start, 6) for t in sampler.t]
-    body = full_report(setup, engine, runtime, log, sampler, end - start)
-    extra = site.report(log)
-    if extra:
-        body.update(extra)
+        for engine in engines:
+            for st in engine.done:
+                for name in ("admit_s", "first_token_s", "finish_s"):
+                    v = getattr(st, name)
+                    if v is not None:
+                        setattr(st, name, v - start)
+        for p in parts:
+            p.sampler.t = [round(t - start, 6) for t in p.sampler.t]
+    body = full_report(setup, parts, end - start, (cfg.slo_ttft_s, cfg.slo_tpot_s))
+    if cluster is not None:
+        body["cluster"] = cluster.report(end - start)
+        body["instances"] = instance_rows(parts, end - start)
+    for s in sites:
+        extra = s.report(parts[sites.index(s)].log)
+        if extra:
+            body.update(extra)
     return body
 
 

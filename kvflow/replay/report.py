@@ -12,13 +12,16 @@ import asyncio
 import dataclasses
 import math
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvflow.engine import Engine, RequestState
 from kvflow.profile import LINKS
-from kvflow.replay.transfer_log import TransferLog
+from kvflow.replay.load import load_section, queue_growth, slo_section
+from kvflow.replay.transfer_log import TransferLog, summarize_transfers
 from kvflow.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -35,9 +38,14 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         "kvflow_report": REPORT_VERSION,
         "config": config_dict(cfg, setup),
     }
+    waits = body.pop("_queue_waits", None)
     report.update(body)
     report["evictions"] = dict(zip(("device", "host", "storage"),
                                    manager.stats.evictions, strict=True))
+    engine = body.get("engine") or {}
+    report["load"] = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
+                                  cfg.max_batch_tokens, cfg.max_running, cfg.instances,
+                                  engine.get("compute_busy_s"), body.get("sim_time_s"), waits)
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
 
@@ -115,55 +123,130 @@ def summary(values: list[float]) -> dict[str, float] | None:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def full_report(setup: Setup, engine: Engine, runtime: Runtime, backend: Any,
-                 sampler: Sampler, sim_time: float) -> dict[str, Any]:
-    """The full-mode body; ``backend`` has ``metrics()`` (per-link ``busy_s``) and, for a
-    ``TransferLog``, ``summary()`` (per-transfer times)."""
-    finished = [st for st in engine.done if st.finish_s is not None]
+@dataclass
+class Part:
+    """One engine instance's objects, as the report reads them."""
+
+    engine: Engine
+    runtime: Runtime
+    log: TransferLog
+    sampler: Sampler
+
+
+def _sum_dicts(dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Key-wise sums, keys in first-seen order (one dict: an equal copy)."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out[k] + v if k in out else v
+    return out
+
+
+def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
+                slo: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
+    """The full-mode body over every instance (one, or a cluster's): totals, rates over all
+    requests, link use averaged over instances. With one instance it is that instance's."""
+    finished = [st for p in parts for st in p.engine.done if st.finish_s is not None]
     ttft = [st.first_token_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
     e2e = [st.finish_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
     tpot = [(st.finish_s - st.first_token_s) / (st.generated - 1)  # type: ignore[operator]
             for st in finished if st.generated > 1]
     hits = [sum(st.hits[t] for st in finished) for t in (0, 1, 2)]
     blocks = sum(len(st.req.keys) for st in finished)
-    links = backend.metrics()
     span = sim_time if sim_time > 0 else 1.0
     out_tokens = sum(st.generated for st in finished)
     in_tokens = sum(st.req.input_len for st in finished)
-    m = runtime.metrics
-    series: dict[str, Any] = {"interval_s": sampler.interval, "t": sampler.t}
-    series.update(hit_series(finished, sampler))
-    series.update({f"link_util_{k}": v for k, v in sampler.util.items()})
-    series.update(queue_len=sampler.queue_len, running=sampler.running)
-    return {
+    metrics = [p.runtime.metrics for p in parts]
+    links = [p.log.metrics() for p in parts]
+    n = len(parts)
+    busy = [getattr(p.engine.executor, "busy_s", None) for p in parts]
+    rejected = sum(p.engine.stats.rejected for p in parts)
+    tpot_or_none = [(st.finish_s - st.first_token_s) / (st.generated - 1)  # type: ignore[operator]
+                    if st.generated > 1 else None for st in finished]
+    body = {
         "requests": len(finished),
-        "rejected": engine.stats.rejected,
+        "rejected": rejected,
         "hit_rate": hit_rates(hits, blocks),
         "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
         "throughput": {"requests_per_s": len(finished) / span,
                        "output_tokens_per_s": out_tokens / span,
                        "prompt_tokens_per_s": in_tokens / span},
-        "bytes": dict(m.bytes),
-        "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in LINKS},
-        "prefetch": dict(m.prefetch),
-        "errors": {"failed_transfers": m.failed + m.cancelled,
-                   "recomputed_blocks": runtime.manager.stats.recomputed_blocks,
-                   "recomputed_tokens": engine.stats.recomputed_tokens,
-                   "replans": engine.stats.replans},
-        "engine": {"steps": engine.stats.steps,
-                   "compute_busy_s": getattr(engine.executor, "busy_s", None)},
-        "transfers": backend.summary() if isinstance(backend, TransferLog) else None,
+        "bytes": _sum_dicts([m.bytes for m in metrics]),
+        "link_utilization": {k: sum(min(1.0, ln[k]["busy_s"] / span) for ln in links) / n
+                             for k in LINKS},
+        "prefetch": _sum_dicts([m.prefetch for m in metrics]),
+        "errors": {"failed_transfers": sum(m.failed + m.cancelled for m in metrics),
+                   "recomputed_blocks": sum(p.runtime.manager.stats.recomputed_blocks
+                                            for p in parts),
+                   "recomputed_tokens": sum(p.engine.stats.recomputed_tokens for p in parts),
+                   "replans": sum(p.engine.stats.replans for p in parts)},
+        "engine": {"steps": sum(p.engine.stats.steps for p in parts),
+                   "compute_busy_s": None if None in busy else sum(busy)},  # type: ignore[arg-type]
+        "transfers": summarize_transfers([r for p in parts for r in p.log.records]),
         "sim_time_s": sim_time,
-        "timeseries": series,
+        "timeseries": _series(parts, finished),
         "samples": {"ttft_s": [round(x, 6) for x in ttft],
                     "tpot_s": [round(x, 6) for x in tpot]},
     }
+    body["slo"] = slo_section(ttft, tpot_or_none, rejected, span, *slo)
+    waits = [st.admit_s - st.req.arrival_s for st in finished]
+    body["queue_s"] = summary(waits)
+    body["_queue_waits"] = queue_growth([(st.req.arrival_s, w)
+                                          for st, w in zip(finished, waits, strict=True)])
+    return body
 
 
-def hit_series(finished: list[RequestState],
-                sampler: Sampler) -> dict[str, list[float | None]]:
+def _series(parts: Sequence[Part], finished: list[RequestState]) -> dict[str, Any]:
+    """The time series over all instances: counts summed, link use averaged."""
+    first = parts[0].sampler
+    if len(parts) == 1:
+        series: dict[str, Any] = {"interval_s": first.interval, "t": first.t}
+        series.update(hit_series(finished, first))
+        series.update({f"link_util_{k}": v for k, v in first.util.items()})
+        series.update(queue_len=first.queue_len, running=first.running)
+        return series
+    n = min(len(p.sampler.t) for p in parts)  # a stalled instance stops sampling early
+    t = first.t[:n]
+    k = len(parts)
+    series = {"interval_s": first.interval, "t": t}
+    series.update(hit_series(finished, first, n))
+    for link in LINKS:
+        series[f"link_util_{link}"] = [round(sum(p.sampler.util[link][i] for p in parts) / k, 6)
+                                       for i in range(n)]
+    series["queue_len"] = [sum(p.sampler.queue_len[i] for p in parts) for i in range(n)]
+    series["running"] = [sum(p.sampler.running[i] for p in parts) for i in range(n)]
+    return series
+
+
+def instance_rows(parts: Sequence[Part], sim_time: float) -> list[dict[str, Any]]:
+    """One row per instance: what it served, how well, how busy it was."""
+    span = sim_time if sim_time > 0 else 1.0
+    rows = []
+    for i, p in enumerate(parts):
+        done = [st for st in p.engine.done if st.finish_s is not None]
+        hits = [sum(st.hits[t] for st in done) for t in (0, 1, 2)]
+        blocks = sum(len(st.req.keys) for st in done)
+        busy = getattr(p.engine.executor, "busy_s", None)
+        links = p.log.metrics()
+        rows.append({
+            "instance": i,
+            "requests": len(done),
+            "rejected": p.engine.stats.rejected,
+            "hit_rate": hit_rates(hits, blocks),
+            "ttft_s": summary([st.first_token_s - st.req.arrival_s  # type: ignore[operator]
+                               for st in done]),
+            "queue_s": summary([st.admit_s - st.req.arrival_s for st in done]),
+            "compute_utilization": None if busy is None else min(1.0, busy / span),
+            "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in LINKS},
+            "bytes": dict(p.runtime.metrics.bytes),
+        })
+    return rows
+
+
+def hit_series(finished: list[RequestState], sampler: Sampler,
+               intervals: int | None = None) -> dict[str, list[float | None]]:
     """Hit rate per tier of the requests arriving in each sampling interval."""
-    n = len(sampler.t)
+    n = len(sampler.t) if intervals is None else intervals
     if n == 0:
         return {"hit_rate_device": [], "hit_rate_host": [], "hit_rate_storage": []}
     hits = np.zeros((3, n))

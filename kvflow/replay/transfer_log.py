@@ -55,11 +55,15 @@ class TransferLog:
         self._service = service
         #: [kind, link, blocks, submit time, done time, ok, handle, service_s]
         self.records: list[list[Any]] = []
+        #: Blocks submitted and not yet done, per link (a router's view of the backlog).
+        self.inflight_blocks: dict[str, int] = dict.fromkeys(LINK_NAMES, 0)
 
     def submit(self, op: TransferOp, sink: Any, after: Any = ()) -> Any:
-        rec = [op.kind.value, LINKS.get((op.src_tier, op.dst_tier), "?"), op.num_blocks,
-               self._loop.time(), None, False, None, None]
+        link = LINKS.get((op.src_tier, op.dst_tier), "?")
+        rec = [op.kind.value, link, op.num_blocks, self._loop.time(), None, False, None, None]
         self.records.append(rec)
+        if link in self.inflight_blocks:
+            self.inflight_blocks[link] += op.num_blocks
         rec[6] = handle = self.backend.submit(op, _LoggedSink(self, rec, sink), after)
         return handle
 
@@ -70,6 +74,8 @@ class TransferLog:
         return getattr(self.backend, name)
 
     def _done(self, rec: list[Any], error: BaseException | None) -> None:
+        if rec[1] in self.inflight_blocks:
+            self.inflight_blocks[rec[1]] -= rec[2]
         rec[4] = self._loop.time()
         rec[5] = error is None
         if error is None:
@@ -89,21 +95,27 @@ class TransferLog:
 
     def summary(self) -> dict[str, Any]:
         """Per op kind: ops, blocks, mean/p50 service and latency, service per block."""
-        out: dict[str, Any] = {}
-        kinds = sorted({r[0] for r in self.records})
-        for kind in kinds:
-            done = [r for r in self.records if r[0] == kind and r[5] and r[7] is not None]
-            if not done:
-                continue
-            service = np.array([r[7] for r in done])
-            latency = np.array([r[4] - r[3] for r in done])
-            blocks = np.array([r[2] for r in done], dtype=float)
-            out[kind] = {
-                "ops": len(done), "blocks": int(blocks.sum()),
-                "service_mean_s": float(service.mean()),
-                "service_p50_s": float(np.percentile(service, 50)),
-                "service_per_block_s": float(service.sum() / max(blocks.sum(), 1.0)),
-                "latency_mean_s": float(latency.mean()),
-                "latency_p50_s": float(np.percentile(latency, 50)),
-            }
-        return out
+        return summarize_transfers(self.records)
+
+
+def summarize_transfers(records: list[list[Any]]) -> dict[str, Any]:
+    """Per op kind of ``TransferLog`` records (one log's, or several's together): ops,
+    blocks, mean/p50 service and latency, service per block."""
+    out: dict[str, Any] = {}
+    kinds = sorted({r[0] for r in records})
+    for kind in kinds:
+        done = [r for r in records if r[0] == kind and r[5] and r[7] is not None]
+        if not done:
+            continue
+        service = np.array([r[7] for r in done])
+        latency = np.array([r[4] - r[3] for r in done])
+        blocks = np.array([r[2] for r in done], dtype=float)
+        out[kind] = {
+            "ops": len(done), "blocks": int(blocks.sum()),
+            "service_mean_s": float(service.mean()),
+            "service_p50_s": float(np.percentile(service, 50)),
+            "service_per_block_s": float(service.sum() / max(blocks.sum(), 1.0)),
+            "latency_mean_s": float(latency.mean()),
+            "latency_p50_s": float(np.percentile(latency, 50)),
+        }
+    return out

@@ -1,0 +1,121 @@
+"""Several engine instances behind one router: what the driver needs to run a cluster.
+
+Each instance is the reference engine, unchanged, with its own manager (device,
+host and storage tiers), runtime, backend and executor; the replay driver
+(``kvflow.replay``) builds them and hands them here. ``Cluster.add`` routes an
+arriving request and queues it on the chosen engine; the engines' public
+hooks (``on_first_token``, ``on_finish``) and the managers' ``match`` keep the
+router's exact view current. Nothing here reaches into an engine's state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from kvflow.cluster.router import InstanceView, Prediction, Router, make_router
+from kvflow.cost import CostModel
+from kvflow.engine import Engine, EngineRequest, RequestState
+from kvflow.manager import CacheManager
+from kvflow.profile import GpuProfile
+from kvflow.radix import FILLING, READY
+
+_USABLE = (READY, FILLING)
+
+
+def tier_hits(manager: CacheManager, keys: Sequence[Hashable]) -> tuple[int, int, int]:
+    """The cached prefix of ``keys`` on ``manager``'s tiers: blocks by their best tier."""
+    counts = [0, 0, 0]
+    for node in manager.match(keys):  # each has a copy (or one landing) on some tier
+        state = node.state
+        t = 0 if state[0] in _USABLE else 1 if state[1] in _USABLE else 2
+        counts[t] += 1
+    return counts[0], counts[1], counts[2]
+
+
+def prediction(cost: CostModel, profile: GpuProfile, max_batch_tokens: int,
+               mean_context: float, batch: int) -> Prediction:
+    """What the ``ttft`` router and the approximate views predict with: the cost model."""
+    spec = cost.spec
+    chunk = max(1, max_batch_tokens)
+    per_token = cost.step_time([(chunk, int(mean_context))], []) / chunk
+
+    def prefill_s(tokens: int, context: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        steps = math.ceil(tokens / chunk)
+        return cost.step_time([(min(tokens, chunk), context)], []) * steps
+
+    block = spec.bytes_per_block
+    return Prediction(
+        queue_s_per_token=per_token,
+        prefill_s=prefill_s,
+        h2d_s_per_block=profile.h2d.latency_s * spec.num_layers + block / profile.h2d.bandwidth_Bps,
+        storage_s_per_block=(profile.storage_read.latency_s
+                             + block / profile.storage_read.bandwidth_Bps),
+        decode_step_s=cost.decode_step_time(max(1, batch), int(mean_context) * max(1, batch)),
+    )
+
+
+class Cluster:
+    """The instances of a replay and the router in front of them."""
+
+    def __init__(self, cfg: Any, setup: Any, parts: Sequence[Any]) -> None:
+        self.engines: list[Engine] = [p.engine for p in parts]
+        spec, caps = setup.spec, setup.capacities
+        requests = setup.requests
+        mean_prompt = (sum(r.input_len for r in requests) / len(requests)) if requests else 0.0
+        cost = CostModel(spec, setup.profile)
+        predict = prediction(cost, setup.profile, cfg.max_batch_tokens, mean_prompt / 2,
+                             min(cfg.max_running, 32))
+        bt = spec.block_tokens
+        views = []
+        for i, p in enumerate(parts):
+            mgr: CacheManager = p.runtime.manager
+            log = p.log
+
+            def backlog(log: Any = log) -> tuple[float, float]:
+                b = log.inflight_blocks
+                return (b["h2d"] * predict.h2d_s_per_block,
+                        b["storage_read"] * predict.storage_s_per_block)
+
+            views.append(InstanceView(
+                i, bt, caps.device + caps.host,
+                lookup=lambda keys, mgr=mgr: tier_hits(mgr, keys), backlog_s=backlog))
+        self.router: Router = make_router(cfg.router, views, cfg.router_view, predict, cfg.seed)
+        for i, engine in enumerate(self.engines):
+            engine.on_first_token = self._first_token_hook(i, engine.on_first_token)
+            engine.on_finish = self._finish_hook(i, engine.on_finish)
+
+    def add(self, req: EngineRequest, now: float) -> int:
+        """Route ``req`` (arriving at ``now``) and queue it there; returns the instance."""
+        i = self.router.route(req, now)
+        self.engines[i].add(req)
+        return i
+
+    def _blocks(self, engine: Engine, req: EngineRequest) -> int:
+        return max(len(req.keys),
+                   math.ceil((req.input_len + req.output_len) / engine.config.block_tokens))
+
+    def _first_token_hook(self, i: int, then: Any) -> Any:
+        engine = self.engines[i]
+
+        def hook(st: RequestState) -> None:
+            self.router.first_token(i, st.req, self._blocks(engine, st.req))
+            if then is not None:
+                then(st)
+        return hook
+
+    def _finish_hook(self, i: int, then: Any) -> Any:
+        engine = self.engines[i]
+
+        def hook(st: RequestState) -> None:
+            self.router.finished(i, st.req, self._blocks(engine, st.req),
+                                 decoded=st.first_token_s is not None)
+            if then is not None:
+                then(st)
+        return hook
+
+    def report(self, sim_time: float) -> dict[str, Any]:
+        return self.router.stats()
