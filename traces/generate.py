@@ -143,9 +143,9 @@ def shared_prefix(
     fixed lengths), whose infinite-cache token hit ratio is 15/16 x 2048/2176
     = 0.882 at any block size dividing 2048. Like ``bench_serving`` (unless
     ``--gsp-ordered``), the ``groups * prompts_per_group`` prompts arrive in a
-    seeded random order, groups interleaved. Its default rate is ``inf`` (all
-    at once); pass ``rate=math.inf`` for that. With an infinite cache the
-    token hit ratio is :func:`shared_prefix_hit_ratio`.
+    seeded random order, groups interleaved. ``bench_serving``'s default
+    rate is ``inf`` (all at once); pass ``rate=math.inf`` for that. With an
+    infinite cache the token hit ratio is :func:`shared_prefix_hit_ratio`.
     """
     g = _int("groups", groups, 1)
     p = _int("prompts_per_group", prompts_per_group, 1)
