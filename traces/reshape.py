@@ -76,8 +76,9 @@ def rate_scale(requests: Iterable[Request], factor: float) -> Reshaped:
 
     Each time is divided once (not rebuilt from gaps), so at ``factor = 2``
     every arrival, and so every gap between two of them, is exactly half the
-    original (dividing by a power of two is exact in binary floating point);
-    other factors are within one rounding of the ideal. ``factor < 1`` slows
+    original (dividing by a power of two is exact in binary floating point,
+    for any time above 1e-300 s); other factors are within one rounding of
+    the ideal. ``factor < 1`` slows
     the trace down.
     """
     x = _finite_pos("rate scale", factor)
