@@ -97,16 +97,23 @@ def test_stats_skip_bad(tmp_path: Path) -> None:
          {"sessions": 4, "turns": 3, "shared_system": False, "think_time_s": 0.0}),
         ("agentic", ["--workflows", "2", "--branches", "3", "--tool-time", "1.5"],
          {"workflows": 2, "branches": 3, "tool_time_s": 1.5}),
+        ("tool-agent", ["--sessions", "30", "--templates", "4", "--mean-steps", "3",
+                        "--zipf", "0", "--length-cv", "0", "--task-len", "100"],
+         {"sessions": 30, "templates": 4, "mean_steps": 3.0, "zipf": 0.0, "length_cv": 0.0,
+          "task_len": 100}),
     ],
 )  # fmt: skip
 def test_gen_kinds(tmp_path: Path, kind: str, opts: list[str], params: dict) -> None:
     out = tmp_path / f"{kind}.jsonl"
-    common = ["--seed", "5", "--rate", "3", "--arrival", "gamma", "--cv", "2", "-b", "64"]
+    common = ["--seed", "5", "--rate", "3", "--burstiness", "0.25", "-b", "64"]
     code, stdout, _ = run("gen", kind, *opts, *common, "-o", out)
     assert code == 0 and f"to {out}" in stdout
     tr = open_trace(out)
     assert tr.block_tokens == 64 and tr.header["generator"] == kind and tr.header["seed"] == 5
-    want = generate(kind, seed=5, rate=3.0, arrival="gamma", cv=2.0, block_tokens=64, **params)
+    recorded = tr.header["params"]  # every parameter the trace was made with, for provenance
+    assert (recorded["rate"], recorded["burstiness"]) == (3.0, 0.25)
+    assert all(recorded[k] == v for k, v in params.items())
+    want = generate(kind, seed=5, rate=3.0, burstiness=0.25, block_tokens=64, **params)
     assert list(tr) == want
     again = tmp_path / "again.jsonl"
     run("gen", kind, *opts, *common, "-o", again)
@@ -114,9 +121,27 @@ def test_gen_kinds(tmp_path: Path, kind: str, opts: list[str], params: dict) -> 
 
 
 def test_gen_shared_prefix_reports_closed_form(tmp_path: Path) -> None:
+    # bench_serving's generated-shared-prefix defaults: 15/16 * 2048/2176 = 0.882
     code, out, _ = run("gen", "shared-prefix", "-o", tmp_path / "x.jsonl.gz", "--with-tokens")
-    assert code == 0 and "ideal token hit ratio 91.2%" in out
+    assert code == 0 and "wrote 1,024 requests" in out and "ideal token hit ratio 88.2%" in out
     assert next(iter(open_trace(tmp_path / "x.jsonl.gz"))).token_ids is not None
+    code, out, _ = run("stats", tmp_path / "x.jsonl.gz", "--json", "--no-reuse")
+    assert json.loads(out)["token_hit_ceiling"] == pytest.approx(15 / 16 * 2048 / 2176, abs=1e-12)
+
+
+def test_gen_rate_inf_and_bounds(tmp_path: Path) -> None:
+    out = tmp_path / "burst.jsonl"
+    assert run("gen", "shared-prefix", "--rate", "inf", "-o", out)[0] == 0
+    reqs = list(open_trace(out))
+    assert len(reqs) == 1024 and {r.arrival_s for r in reqs} == {0.0}  # bench_serving's default
+    assert open_trace(out).header["params"]["rate"] == "inf"  # the header stays strict JSON
+    cut = tmp_path / "cut.jsonl"
+    code, stdout, _ = run("gen", "tool-agent", "--sessions", "200", "--duration", "30", "-o", cut)
+    assert code == 0 and "ideal" not in stdout
+    full = generate("tool-agent", sessions=200)
+    assert list(open_trace(cut)) == [r for r in full if r.arrival_s < 30]
+    assert run("gen", "multi-turn", "--limit", "5", "-o", cut, "--force")[0] == 0
+    assert list(open_trace(cut)) == generate("multi-turn")[:5]
 
 
 def test_gen_user_errors(tmp_path: Path) -> None:
@@ -128,7 +153,16 @@ def test_gen_user_errors(tmp_path: Path) -> None:
     assert "groups must be an integer >= 1" in user_error(
         "gen", "shared-prefix", "--groups", "0", "-o", out
     )
-    assert "arrival process" in user_error("gen", "agentic", "--arrival", "lumpy", "-o", out)
+    assert "burstiness must be a finite number > 0" in user_error(
+        "gen", "agentic", "--burstiness", "0", "-o", out
+    )
+    assert "rate must be a number > 0" in user_error("gen", "agentic", "--rate", "-1", "-o", out)
+    assert "No such option: --cv" in user_error("gen", "agentic", "--cv", "2", "-o", out)
+    assert "--mean-steps does not apply to agentic" in user_error(
+        "gen", "agentic", "--mean-steps", "2", "-o", out
+    )
+    assert "duration must be" in user_error("gen", "agentic", "--duration", "-1", "-o", out)
+    assert not out.exists()
     assert "Invalid value for '--groups'" in user_error(
         "gen", "shared-prefix", "--groups", "many", "-o", out
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -21,9 +22,20 @@ from traces.generate import (
     multi_turn,
     shared_prefix,
     shared_prefix_hit_ratio,
+    tool_agent,
     write_generic,
 )
 from traces.stats import trace_stats
+
+# Sizes that keep the parametrized tests fast (the defaults are full benchmark workloads).
+SMALL = {
+    "shared-prefix": {"groups": 4, "prompts_per_group": 8},
+    "tool-agent": {"sessions": 40, "templates": 6},
+}
+
+
+def small(kind: str, **params: object) -> list[Request]:
+    return generate(kind, **{**SMALL.get(kind, {}), **params})
 
 
 def well_formed(reqs: list[Request], bt: int) -> None:
@@ -43,17 +55,17 @@ def well_formed(reqs: list[Request], bt: int) -> None:
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 @pytest.mark.parametrize("bt", [16, 512])
 def test_deterministic_and_well_formed(kind: str, bt: int) -> None:
-    a = generate(kind, seed=7, block_tokens=bt)
-    assert a == generate(kind, seed=7, block_tokens=bt)
-    assert a != generate(kind, seed=8, block_tokens=bt)
+    a = small(kind, seed=7, block_tokens=bt)
+    assert a == small(kind, seed=7, block_tokens=bt)
+    assert a != small(kind, seed=8, block_tokens=bt)
     well_formed(a, bt)
 
 
 @pytest.mark.parametrize("kind", sorted(GENERATORS))
 def test_tokens_agree_with_block_ids(kind: str) -> None:
     bt = 32
-    reqs = generate(kind, seed=3, block_tokens=bt, with_tokens=True)
-    assert reqs == generate(kind, seed=3, block_tokens=bt, with_tokens=True)
+    reqs = small(kind, seed=3, block_tokens=bt, with_tokens=True)
+    assert reqs == small(kind, seed=3, block_tokens=bt, with_tokens=True)
     chainer = BlockChainer()
     mapping: dict[int, int] = {}
     for r in reqs:
@@ -100,17 +112,38 @@ def test_closed_form_examples() -> None:
     assert shared_prefix_hit_ratio(1, 4096, 10, 512) == 0.0
 
 
-@pytest.mark.parametrize(("process", "cv"), [("poisson", 1.0), ("gamma", 0.5), ("gamma", 3.0)])
-def test_arrival_processes(process: str, cv: float) -> None:
-    t = arrival_times(40_000, 5.0, process=process, cv=cv, rng=1)
-    assert t[0] == 0.0 and np.all(np.diff(t) >= 0)
-    gaps = np.diff(t)
-    assert 1 / gaps.mean() == pytest.approx(5.0, rel=0.03)
-    assert gaps.std() / gaps.mean() == pytest.approx(cv, rel=0.06)
-    reqs = shared_prefix(100, 100, 16, 16, 1, rate=5.0, arrival=process, cv=cv, block_tokens=16)
+@pytest.mark.parametrize("burstiness", [1.0, 0.25, 4.0])
+def test_generators_arrive_as_bench_serving(burstiness: float) -> None:
+    reqs = shared_prefix(100, 100, 16, 16, 1, rate=5.0, burstiness=burstiness, block_tokens=16)
     s = trace_stats(reqs, reuse=False, block_tokens=16)
     assert s.arrival_rate == pytest.approx(5.0, rel=0.1)
-    assert s.interarrival_cv == pytest.approx(cv, rel=0.15)
+    assert s.interarrival_cv == pytest.approx(burstiness**-0.5, rel=0.15)
+    # the arrivals are the process's own draws (after the prompt order), to the microsecond
+    rng = np.random.default_rng(0)
+    rng.permutation(100 * 100)
+    want = np.round(arrival_times(100 * 100, 5.0, burstiness=burstiness, rng=rng), 6)
+    assert [r.arrival_s for r in reqs] == want.tolist()
+
+
+@pytest.mark.parametrize("kind", sorted(GENERATORS))
+def test_rate_inf_sends_everything_at_once(kind: str) -> None:
+    reqs = small(kind, rate=math.inf)
+    firsts = {}
+    for r in reqs:
+        firsts.setdefault((r.session_id or "").split("/")[0], r.arrival_s)
+    assert set(firsts.values()) == {0.0}  # every prompt, session or workflow starts at 0
+
+
+def test_shared_prefix_defaults_are_bench_serving() -> None:
+    # sglang bench_serving --dataset-name generated-shared-prefix, default --gsp-* options
+    reqs = shared_prefix()
+    assert len(reqs) == 64 * 16
+    assert {(r.input_len, r.output_len) for r in reqs} == {(2048 + 128, 256)}
+    assert len({r.block_hashes[:4] for r in reqs}) == 64
+    for bt in (512, 16):  # any block size dividing 2048: the ceiling bench_serving's docs give
+        s = trace_stats(shared_prefix(block_tokens=bt), block_tokens=bt, reuse=False)
+        assert s.token_hit_ceiling == pytest.approx(15 / 16 * 2048 / 2176, abs=1e-12)
+        assert round(s.token_hit_ceiling, 3) == 0.882
 
 
 def by_session(reqs: list[Request]) -> dict[str, list[Request]]:
@@ -175,15 +208,65 @@ def test_agentic_structure() -> None:
     assert trace_stats(reqs, block_tokens=bt).token_hit_ceiling > 0.8
 
 
+def test_tool_agent_structure() -> None:
+    bt, s, task, call, tool = 64, 300, 50, 20, 100
+    reqs = tool_agent(
+        60, 3, s, task, call, tool, mean_steps=2.5, zipf=1.0, length_cv=0.0, block_tokens=bt,
+        seed=4,
+    )  # fmt: skip
+    sessions = by_session(reqs)
+    assert len(sessions) == 60 and len(reqs) > 60  # some sessions loop through tools
+    heads = defaultdict(set)
+    for turns in sessions.values():
+        for k, r in enumerate(turns):  # fixed lengths: each step appends a call and a result
+            assert r.input_len == s + task + k * (call + tool) and r.output_len == call
+        for prev, nxt in itertools.pairwise(turns):
+            assert nxt.arrival_s >= prev.arrival_s
+            assert nxt.block_hashes[: len(full_prefix(prev, bt))] == full_prefix(prev, bt)
+        heads[turns[0].block_hashes[: s // bt]].add(turns[0].session_id)
+    assert len(heads) == 3  # three agents, each one system prompt shared by its sessions
+    counts = sorted((len(v) for v in heads.values()), reverse=True)
+    assert counts[0] > 2 * counts[-1]  # Zipf weights 1, 1/2, 1/3: popularity is skewed
+    flat = by_session(tool_agent(60, 3, s, task, zipf=0.0, length_cv=0.0, mean_steps=1.0))
+    assert all(len(t) == 1 for t in flat.values())
+
+
+def test_tool_agent_lengths_vary_around_their_means() -> None:
+    reqs = tool_agent(400, 8, 1000, 500, 100, 800, mean_steps=1.0, length_cv=0.5, seed=1)
+    inputs = np.array([r.input_len for r in reqs])
+    outputs = np.array([r.output_len for r in reqs])
+    assert inputs.mean() == pytest.approx(1500, rel=0.05)  # system prompts scaled to 1000
+    assert outputs.mean() == pytest.approx(100, rel=0.06)
+    assert outputs.std() / outputs.mean() == pytest.approx(0.5, rel=0.2)
+
+
+def test_tool_agent_defaults_match_mooncake_table_2() -> None:
+    # FAST'25 Table 2, tool&agent: 23,608 requests in one hour, mean input 8,596 and output
+    # 182 tokens, cache ratio 59% (which is the infinite-cache token hit ratio: the same
+    # measure gives 37% and 65% for the conversation and synthetic traces, listed at 40%, 66%)
+    reqs = tool_agent()
+    s = trace_stats(reqs, reuse=False)
+    assert len(reqs) == pytest.approx(23_608, rel=0.02)
+    assert s.duration_s == pytest.approx(3600, rel=0.03)
+    assert s.input_len.mean == pytest.approx(8_596, rel=0.03)
+    assert s.output_len.mean == pytest.approx(182, rel=0.02)
+    assert s.token_hit_ceiling == pytest.approx(0.59, abs=0.015)
+
+
 @pytest.mark.parametrize(
     ("call", "words"),
     [
         (lambda: generate("fractal"), "unknown generator kind 'fractal'"),
         (lambda: shared_prefix(groups=0), "groups must be an integer >= 1"),
         (lambda: shared_prefix(system_len=-1), "system_len"),
-        (lambda: shared_prefix(rate=0), "rate must be a finite number > 0"),
-        (lambda: shared_prefix(arrival="uniform"), "arrival process must be one of"),
-        (lambda: shared_prefix(arrival="gamma", cv=0), "cv must be"),
+        (lambda: shared_prefix(rate=0), "rate must be a number > 0"),
+        (lambda: shared_prefix(rate=float("nan")), "rate must be a number > 0"),
+        (lambda: shared_prefix(burstiness=0), "burstiness must be a finite number > 0"),
+        (lambda: multi_turn(burstiness=math.inf), "burstiness must be a finite number > 0"),
+        (lambda: tool_agent(mean_steps=0.5), "mean_steps must be >= 1"),
+        (lambda: tool_agent(templates=0), "templates must be an integer >= 1"),
+        (lambda: tool_agent(zipf=-1), "zipf must be a finite number >= 0"),
+        (lambda: tool_agent(length_cv=math.nan), "length_cv"),
         (lambda: shared_prefix(block_tokens=0), "block_tokens"),
         (lambda: multi_turn(think_time_s=-1), "think_time_s must be a finite number >= 0"),
         (lambda: multi_turn(turns=2.5), "turns must be an integer"),

@@ -10,8 +10,12 @@ traces without the cache machinery::
         ...
     tr.skipped                                        # bad lines passed over (skip_bad=True)
 
-Generators live in :mod:`traces.generate`, statistics in :mod:`traces.stats`;
-the generic JSONL form is documented in ``traces/README.md``.
+Generators live in :mod:`traces.generate` (arrival processes in
+:mod:`traces.arrivals`), statistics in :mod:`traces.stats`, load changes
+(rate scaling, bounds, re-timing, repetition) in :mod:`traces.reshape` and
+the offered load in :mod:`traces.load`; they are not imported here, so that
+reading a trace needs no numpy. The generic JSONL form is documented in
+``traces/README.md``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``kvflow trace ...``: inspect, generate and convert request traces.
+"""``kvflow trace ...``: inspect, generate, convert and reshape request traces.
 
 Rich tables by default, JSON with ``--json``. A user's mistake (a missing
 file, a bad trace line, an unknown generator kind, an existing output without
@@ -8,120 +8,50 @@ never a traceback.
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
-from typer.core import TyperCommand, TyperGroup
 
-from traces import generate as gen_mod
-from traces import sample_path
-from traces.loaders import Trace, open_trace
-from traces.schema import FORMATS, TraceError
+from traces.cli_common import (
+    SAMPLE_PREFIX,
+    OneLineCommand,
+    OneLineGroup,
+    fail,
+    open_cli_trace,
+    resolve_path,
+    user_errors,
+    warn_skipped,
+)
+from traces.cli_gen import gen
+from traces.cli_load import load, scale
+from traces.loaders import Trace
 from traces.stats import TraceStats, trace_stats
 from traces.writer import write_generic
 
-SAMPLE_PREFIX = "sample:"
+__all__ = [
+    "SAMPLE_PREFIX",
+    "OneLineCommand",
+    "OneLineGroup",
+    "fail",
+    "resolve_path",
+    "trace_app",
+    "user_errors",
+]
 
-
-def _fail(message: str) -> NoReturn:
-    """One line on stderr, exit 2: the contract for every user error."""
-    text = " ".join(str(message).split())
-    sys.stderr.write(f"error: {text}\n")
-    raise typer.Exit(2)
-
-
-# typer vendors its own click; find its UsageError without importing a private module.
-_UsageError: type[Exception] = next(
-    c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError"
-)
-
-
-def _usage_line(exc: Exception) -> str:
-    fmt = getattr(exc, "format_message", None)
-    return fmt() if callable(fmt) else str(exc)
-
-
-class _OneLineCommand(TyperCommand):
-    """Turns click's multi-line usage errors (bad option value, missing argument) into one."""
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except _UsageError as exc:
-            if type(exc).__name__ == "NoArgsIsHelpError":  # prints the help; leave it be
-                raise
-            _fail(f"{ctx.command_path}: {_usage_line(exc)}")
-
-
-class _OneLineGroup(TyperGroup):
-    def resolve_command(self, ctx: Any, args: list[str]) -> Any:
-        try:
-            return super().resolve_command(ctx, args)
-        except _UsageError as exc:
-            commands = ", ".join(self.list_commands(ctx))
-            _fail(f"{ctx.command_path}: {_usage_line(exc)} (commands: {commands})")
-
+# the names this module's commands were written with
+_fail, _OneLineCommand, _open, _warn_skipped = fail, OneLineCommand, open_cli_trace, warn_skipped
 
 trace_app = typer.Typer(
-    help="Inspect, generate and convert request traces.",
+    help="Inspect, generate, convert and reshape request traces, and measure their load.",
     no_args_is_help=True,
-    cls=_OneLineGroup,
+    cls=OneLineGroup,
     pretty_exceptions_enable=False,
 )
-
-
-@contextmanager
-def user_errors(*also: type[Exception]) -> Iterator[None]:
-    """Bad input becomes the one-line exit 2: trace errors, OS errors on files,
-    and whatever other error types the caller names (kvflow's own, say —
-    ``traces`` does not import the rest of kvflow)."""
-    try:
-        yield
-    except TraceError as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        if exc.filename is not None and exc.strerror:
-            _fail(f"{exc.filename}: {exc.strerror}")
-        _fail(str(exc) or type(exc).__name__)
-    except also as exc:
-        _fail(str(exc))
-
-
-# The same plumbing serves every ``kvflow`` command (see cli.py).
-fail = _fail
-OneLineCommand = _OneLineCommand
-OneLineGroup = _OneLineGroup
-
-
-def _resolve(path: str) -> Path:
-    """A path, or ``sample:NAME`` for a bundled sample (works from any directory)."""
-    if path.startswith(SAMPLE_PREFIX) and not Path(path).exists():
-        return sample_path(path[len(SAMPLE_PREFIX) :] or "conversation_1k.jsonl")
-    return Path(path)
-
-
-resolve_path = _resolve
-
-
-def _open(path: str, fmt: str, skip_bad: bool, block_tokens: int | None) -> Trace:
-    if fmt not in FORMATS:
-        _fail(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return open_trace(_resolve(path), fmt=fmt, skip_bad=skip_bad, block_tokens=block_tokens)
-
-
-def _warn_skipped(tr: Trace) -> None:
-    if tr.skipped:
-        first = tr.errors[0] if tr.errors else ""
-        sys.stderr.write(f"warning: skipped {tr.skipped} bad line(s); first: {first}\n")
 
 
 # -- stats ---------------------------------------------------------------------------
@@ -216,129 +146,6 @@ def stats(
     _render(tr, s, Console())
 
 
-# -- gen -------------------------------------------------------------------------------
-
-# Which generator parameters each kind takes (CLI options map 1:1 onto them).
-_KIND_PARAMS: dict[str, set[str]] = {
-    "shared-prefix": {"groups", "prompts_per_group", "system_len", "question_len", "output_len"},
-    "multi-turn": {
-        "sessions", "turns", "system_len", "user_len", "output_len", "think_time_s",
-        "shared_system",
-    },
-    "agentic": {
-        "workflows", "steps", "context_len", "task_len", "call_len", "tool_len", "branches",
-        "branch_steps", "shared_context", "tool_time_s",
-    },
-}  # fmt: skip
-_OPTION_NAMES = {
-    "prompts_per_group": "--prompts",
-    "think_time_s": "--think-time",
-    "tool_time_s": "--tool-time",
-    "shared_system": "--shared-system/--private-system",
-    "shared_context": "--shared-context/--private-context",
-}
-
-
-def _h(name: str, text: str) -> str:
-    """Help for a kind-specific option: which kinds take it, and their defaults."""
-    kinds = [k for k, ps in _KIND_PARAMS.items() if name in ps]
-    defaults = [
-        str(inspect.signature(gen_mod.GENERATORS[k]).parameters[name].default) for k in kinds
-    ]
-    return f"{', '.join(kinds)}: {text} (default {' / '.join(defaults)})."
-
-
-def _opt(name: str) -> str:
-    return _OPTION_NAMES.get(name, "--" + name.replace("_", "-"))
-
-
-@trace_app.command(cls=_OneLineCommand)
-def gen(
-    kind: str = typer.Argument(..., metavar="KIND", help="shared-prefix | multi-turn | agentic"),
-    output: str = typer.Option(..., "--output", "-o", help="Output file (generic JSONL; .gz ok)."),
-    force: bool = typer.Option(False, "--force", help="Replace the output if it exists."),
-    seed: int = typer.Option(0, "--seed", help="Random seed; same seed, same trace."),
-    rate: float | None = typer.Option(
-        None,
-        "--rate",
-        help="Arrivals per second: prompts (shared-prefix, default 2.0), "
-        "sessions (multi-turn, 0.5) or workflows (agentic, 0.2).",
-    ),
-    arrival: str = typer.Option("poisson", "--arrival", help="poisson | gamma"),
-    cv: float = typer.Option(1.0, "--cv", help="Gamma inter-arrival coefficient of variation."),
-    block_tokens: int = typer.Option(512, "--block-tokens", "-b", help="Tokens per block."),
-    with_tokens: bool = typer.Option(
-        False, "--with-tokens", help="Also write seeded token ids (larger files)."
-    ),
-    groups: int | None = typer.Option(None, help=_h("groups", "system prompts")),
-    prompts_per_group: int | None = typer.Option(
-        None, "--prompts", help=_h("prompts_per_group", "questions per system prompt")
-    ),
-    system_len: int | None = typer.Option(None, help=_h("system_len", "tokens")),
-    question_len: int | None = typer.Option(None, help=_h("question_len", "tokens")),
-    output_len: int | None = typer.Option(None, help=_h("output_len", "tokens")),
-    sessions: int | None = typer.Option(None, help=_h("sessions", "chat sessions")),
-    turns: int | None = typer.Option(None, help=_h("turns", "turns per session")),
-    user_len: int | None = typer.Option(None, help=_h("user_len", "tokens per user message")),
-    think_time_s: float | None = typer.Option(
-        None, "--think-time", help=_h("think_time_s", "mean seconds between turns")
-    ),
-    shared_system: bool | None = typer.Option(
-        None,
-        "--shared-system/--private-system",
-        help=_h("shared_system", "one system prompt for all"),
-    ),
-    workflows: int | None = typer.Option(None, help=_h("workflows", "workflows")),
-    steps: int | None = typer.Option(None, help=_h("steps", "trunk steps (tool calls)")),
-    context_len: int | None = typer.Option(None, help=_h("context_len", "shared context tokens")),
-    task_len: int | None = typer.Option(None, help=_h("task_len", "task prompt tokens")),
-    call_len: int | None = typer.Option(None, help=_h("call_len", "tokens per tool call (output)")),
-    tool_len: int | None = typer.Option(None, help=_h("tool_len", "tokens per tool result")),
-    branches: int | None = typer.Option(
-        None, help=_h("branches", "parallel branches after the trunk")
-    ),
-    branch_steps: int | None = typer.Option(None, help=_h("branch_steps", "steps per branch")),
-    shared_context: bool | None = typer.Option(
-        None, "--shared-context/--private-context", help=_h("shared_context", "one context for all")
-    ),
-    tool_time_s: float | None = typer.Option(
-        None, "--tool-time", help=_h("tool_time_s", "mean tool latency, seconds")
-    ),
-) -> None:
-    """Generate a seeded synthetic trace and write it in the generic JSONL form."""
-    if kind not in gen_mod.GENERATORS:
-        _fail(f"unknown generator kind {kind!r}; expected one of {', '.join(gen_mod.GENERATORS)}")
-    local = locals()
-    given = {k: local[k] for ks in _KIND_PARAMS.values() for k in ks if local[k] is not None}
-    wrong = sorted(k for k in given if k not in _KIND_PARAMS[kind])
-    if wrong:
-        _fail(f"{', '.join(_opt(k) for k in wrong)} does not apply to {kind}")
-    params: dict[str, Any] = dict(given)
-    params.update(seed=seed, arrival=arrival, cv=cv, block_tokens=block_tokens)
-    params["with_tokens"] = with_tokens
-    if rate is not None:
-        params["rate"] = rate
-    with user_errors():
-        if Path(output).exists() and not force:
-            _fail(f"{output} exists; pass --force to replace it")
-        try:
-            reqs = gen_mod.generate(kind, **params)
-        except ValueError as exc:
-            _fail(f"{kind}: {exc}")
-        meta = {"generator": kind, "seed": seed}
-        n = write_generic(reqs, output, block_tokens=block_tokens, force=force, **meta)
-    line = f"wrote {n:,} requests to {output} ({kind}, seed {seed}"
-    if kind == "shared-prefix":
-        defaults = inspect.signature(gen_mod.shared_prefix).parameters
-        p, sl, ql = (
-            params.get(k, defaults[k].default)
-            for k in ("prompts_per_group", "system_len", "question_len")
-        )
-        ideal = gen_mod.shared_prefix_hit_ratio(p, sl, ql, block_tokens)
-        line += f"; ideal token hit ratio {100 * ideal:.1f}%"
-    Console(highlight=False, soft_wrap=True).print(line + ")")
-
-
 # -- convert -----------------------------------------------------------------------------
 
 
@@ -372,6 +179,10 @@ def convert(
         f"({tr.block_tokens}-token blocks)"
     )
 
+
+trace_app.command(cls=OneLineCommand)(gen)
+trace_app.command(cls=OneLineCommand)(scale)
+trace_app.command(cls=OneLineCommand)(load)
 
 if __name__ == "__main__":  # python -m traces.cli, for use without the kvflow entry point
     trace_app()

@@ -13,9 +13,9 @@ non-negative, assigned in arrival order). ``with_tokens=True`` also fills
 consumers that hash tokens themselves. Write them out with :func:`write_generic`.
 
 Arrivals (sessions/workflows starting, or single prompts) follow a Poisson
-process at ``rate`` per second, or a gamma renewal process with coefficient
-of variation ``cv`` (``cv > 1`` is burstier than Poisson, ``cv < 1`` smoother;
-``cv = 1`` is Poisson again).
+process at ``rate`` per second, or with ``burstiness != 1`` a gamma renewal
+process of the same mean rate, exactly as SGLang's ``bench_serving`` draws
+them (see :mod:`traces.arrivals`; ``rate = inf`` starts everything at 0).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from traces.arrivals import arrival_times
 from traces.chain import BlockChainer
 from traces.schema import DEFAULT_BLOCK_TOKENS, Request
 from traces.writer import write_generic
 
 __all__ = [
-    "ARRIVALS",
     "GENERATORS",
     "agentic",
     "arrival_times",
@@ -39,10 +39,9 @@ __all__ = [
     "multi_turn",
     "shared_prefix",
     "shared_prefix_hit_ratio",
+    "tool_agent",
     "write_generic",
 ]
-
-ARRIVALS = ("poisson", "gamma")
 
 Segment = tuple[int, int]  # (segment id, length in tokens): content shared iff same id
 
@@ -59,36 +58,6 @@ def _pos(name: str, value: Any, allow_zero: bool = False) -> float:
         what = "a finite number >= 0" if allow_zero else "a finite number > 0"
         raise ValueError(f"{name} must be {what}, got {value!r}")
     return float(value)
-
-
-def arrival_times(
-    n: int,
-    rate: float,
-    *,
-    process: str = "poisson",
-    cv: float = 1.0,
-    rng: np.random.Generator | int | None = 0,
-) -> np.ndarray:
-    """``n`` arrival times (seconds, first at 0) of a renewal process with mean rate ``rate``.
-
-    ``poisson``: exponential gaps. ``gamma``: gamma gaps with shape ``1/cv**2``
-    and the same mean ``1/rate``, the usual knob for burstiness in serving
-    benchmarks.
-    """
-    _int("n", n, 0)
-    rate = _pos("rate", rate)
-    if process not in ARRIVALS:
-        raise ValueError(f"arrival process must be one of {', '.join(ARRIVALS)}, got {process!r}")
-    gen = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-    if n == 0:
-        return np.zeros(0)
-    if process == "poisson":
-        gaps = gen.exponential(1.0 / rate, n - 1)
-    else:
-        cv = _pos("cv", cv)
-        shape = 1.0 / (cv * cv)
-        gaps = gen.gamma(shape, 1.0 / (rate * shape), n - 1)
-    return np.concatenate(([0.0], np.cumsum(gaps)))
 
 
 class _Builder:
@@ -110,9 +79,9 @@ class _Builder:
         self._pending: list[tuple[float, int, tuple[Segment, ...], int, str | None]] = []
         self._tokens: dict[int, np.ndarray] = {}
 
-    def arrivals(self, n: int, rate: float, process: str, cv: float) -> np.ndarray:
+    def arrivals(self, n: int, rate: float, burstiness: float) -> np.ndarray:
         """``n`` start times from ``rng``: see :func:`arrival_times`."""
-        return arrival_times(n, rate, process=process, cv=cv, rng=self.rng)
+        return arrival_times(n, rate, burstiness=burstiness, rng=self.rng)
 
     def segment(self, length: int) -> Segment:
         """A fresh piece of content, shared with nothing unless reused on purpose."""
@@ -153,15 +122,14 @@ class _Builder:
 
 
 def shared_prefix(
-    groups: int = 4,
-    prompts_per_group: int = 32,
+    groups: int = 64,
+    prompts_per_group: int = 16,
     system_len: int = 2048,
     question_len: int = 128,
-    output_len: int = 128,
+    output_len: int = 256,
     *,
     rate: float = 2.0,
-    arrival: str = "poisson",
-    cv: float = 1.0,
+    burstiness: float = 1.0,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     seed: int = 0,
     with_tokens: bool = False,
@@ -169,9 +137,15 @@ def shared_prefix(
 ) -> list[Request]:
     """``groups`` system prompts, each followed by ``prompts_per_group`` distinct questions.
 
-    The ``groups * prompts_per_group`` prompts arrive in a seeded random order
-    (groups interleave, as tenants of one server would). With an infinite
-    cache the token hit ratio is :func:`shared_prefix_hit_ratio`.
+    The defaults are SGLang ``bench_serving``'s ``generated-shared-prefix``
+    dataset (``--gsp-num-groups 64 --gsp-prompts-per-group 16
+    --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 256``,
+    fixed lengths), whose infinite-cache token hit ratio is 15/16 x 2048/2176
+    = 0.882 at any block size dividing 2048. Like ``bench_serving`` (unless
+    ``--gsp-ordered``), the ``groups * prompts_per_group`` prompts arrive in a
+    seeded random order, groups interleaved. ``bench_serving``'s default
+    rate is ``inf`` (all at once); pass ``rate=math.inf`` for that. With an
+    infinite cache the token hit ratio is :func:`shared_prefix_hit_ratio`.
     """
     g = _int("groups", groups, 1)
     p = _int("prompts_per_group", prompts_per_group, 1)
@@ -182,7 +156,7 @@ def shared_prefix(
     systems = [b.segment(s) for _ in range(g)]
     prompts = [(gi, b.segment(q)) for gi in range(g) for _ in range(p)]
     order = b.rng.permutation(len(prompts))
-    times = b.arrivals(len(prompts), rate, arrival, cv)
+    times = b.arrivals(len(prompts), rate, burstiness)
     for t, k in zip(times, order, strict=True):
         gi, question = prompts[k]
         b.add(t, [systems[gi], question], o, None)
@@ -218,8 +192,7 @@ def multi_turn(
     think_time_s: float = 30.0,
     shared_system: bool = True,
     rate: float = 0.5,
-    arrival: str = "poisson",
-    cv: float = 1.0,
+    burstiness: float = 1.0,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     seed: int = 0,
     with_tokens: bool = False,
@@ -240,7 +213,7 @@ def multi_turn(
     o = _int("output_len", output_len, 0)
     think = _pos("think_time_s", think_time_s, allow_zero=True)
     b = _Builder(block_tokens, seed, with_tokens, vocab_size)
-    starts = b.arrivals(n, rate, arrival, cv)
+    starts = b.arrivals(n, rate, burstiness)
     common = b.segment(s)
     for i, t0 in enumerate(starts):
         history = [common if shared_system else b.segment(s)]
@@ -268,8 +241,7 @@ def agentic(
     shared_context: bool = True,
     tool_time_s: float = 2.0,
     rate: float = 0.2,
-    arrival: str = "poisson",
-    cv: float = 1.0,
+    burstiness: float = 1.0,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     seed: int = 0,
     with_tokens: bool = False,
@@ -296,7 +268,7 @@ def agentic(
     bk = _int("branch_steps", branch_steps, 0 if nb == 0 else 1)
     latency = _pos("tool_time_s", tool_time_s, allow_zero=True)
     b = _Builder(block_tokens, seed, with_tokens, vocab_size)
-    starts = b.arrivals(n, rate, arrival, cv)
+    starts = b.arrivals(n, rate, burstiness)
     common = b.segment(c)
 
     def lat() -> float:
@@ -320,10 +292,109 @@ def agentic(
     return b.build()
 
 
+#: Mooncake's tool&agent trace: 23,608 requests in one hour (FAST'25, Table 2).
+_TOOL_AGENT_SESSIONS = 11_804
+
+
+def _lengths(rng: np.random.Generator, mean: int, cv: float, n: int) -> list[int]:
+    """``n`` token counts of mean ``mean``: lognormal with coefficient of variation ``cv``."""
+    if cv == 0 or mean == 0:
+        return [mean] * n
+    sigma2 = math.log1p(cv * cv)
+    draws = rng.lognormal(math.log(mean) - sigma2 / 2, math.sqrt(sigma2), n)
+    return np.rint(draws).astype(np.int64).tolist()
+
+
+def tool_agent(
+    sessions: int = _TOOL_AGENT_SESSIONS,
+    templates: int = 64,
+    system_len: int = 2048,
+    task_len: int = 2048,
+    call_len: int = 182,
+    tool_len: int = 4318,
+    *,
+    mean_steps: float = 2.0,
+    zipf: float = 1.0,
+    length_cv: float = 0.5,
+    tool_time_s: float = 2.0,
+    rate: float = _TOOL_AGENT_SESSIONS / 3600,
+    burstiness: float = 1.0,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    seed: int = 0,
+    with_tokens: bool = False,
+    vocab_size: int = 32000,
+) -> list[Request]:
+    """Tool and agent calls: popular fixed system prompts, short tool-call loops.
+
+    The shape of Mooncake's tool&agent workload (FAST'25 paper, section 5.2.1
+    and Table 2; the trace itself is not in ``../shared/traces``): requests
+    carry "pre-designed, often lengthy, system prompts that are fully
+    repetitive", were sampled by user session, and total 23,608 in one hour
+    with a mean input of 8,596 tokens, a mean output of 182 and a cache ratio
+    of 59%. Each of ``templates`` agents has one system prompt (length drawn
+    once); sessions (``"s<i>"``) pick an agent by Zipf popularity (rank ``k``
+    has weight ``k ** -zipf``) and start at ``rate`` per second. A session
+    sends ``system + task``; each answer (``call_len`` tokens: a tool call,
+    or the final answer) and the tool's result (``tool_len``) are appended to
+    the next request, after an exponential tool latency of mean
+    ``tool_time_s``; a session has a geometric number of requests of mean
+    ``mean_steps`` (2: the function-calling round trip of call, then answer).
+    Every length is lognormal with coefficient of variation ``length_cv``
+    around its mean (0: fixed).
+
+    The paper gives only those totals; the split is ours, solved so that the
+    defaults reproduce them (``traces/README.md`` shows the arithmetic).
+    Defaults give ~23,600 requests over one hour, mean input ~8,600 tokens,
+    mean output 182 and an infinite-cache token hit ratio of ~0.59.
+    """
+    n = _int("sessions", sessions, 1)
+    nt = _int("templates", templates, 1)
+    s = _int("system_len", system_len, 0)
+    task = _int("task_len", task_len, 0)
+    call = _int("call_len", call_len, 0)
+    tool = _int("tool_len", tool_len, 0)
+    steps = _pos("mean_steps", mean_steps)
+    if steps < 1:
+        raise ValueError(f"mean_steps must be >= 1, got {mean_steps!r}")
+    z = _pos("zipf", zipf, allow_zero=True)
+    cv = _pos("length_cv", length_cv, allow_zero=True)
+    latency = _pos("tool_time_s", tool_time_s, allow_zero=True)
+    b = _Builder(block_tokens, seed, with_tokens, vocab_size)
+    starts = b.arrivals(n, rate, burstiness)
+    rng = b.rng
+    weights = np.arange(1, nt + 1, dtype=np.float64) ** -z
+    weights /= weights.sum()
+    # scaled so that the mean system prompt a session sends is system_len, whatever
+    # the draw (a few popular agents would otherwise swing the trace's mean by 30%)
+    raw = np.asarray(_lengths(rng, s, cv, nt), dtype=np.float64)
+    spread = raw.dot(weights)
+    scaled = np.rint(raw * (s / spread)).astype(np.int64) if spread else raw.astype(np.int64)
+    systems = [b.segment(int(length)) for length in scaled]
+    agents = rng.choice(nt, size=n, p=weights).tolist()
+    counts = rng.geometric(1.0 / steps, n).tolist()
+    tasks = _lengths(rng, task, cv, n)
+    total = int(sum(counts))
+    calls = iter(_lengths(rng, call, cv, total))
+    tools = iter(_lengths(rng, tool, cv, total))
+    gaps = iter(rng.exponential(latency, total).tolist() if latency > 0 else [0.0] * total)
+    for i, t0 in enumerate(starts):
+        history = [systems[agents[i]], b.segment(tasks[i])]
+        t = float(t0)
+        for step in range(counts[i]):
+            gap = next(gaps)
+            if step:
+                t += gap
+            out = next(calls)
+            b.add(t, history, out, f"s{i}")
+            history = [*history, b.segment(out), b.segment(next(tools))]
+    return b.build()
+
+
 GENERATORS: dict[str, Callable[..., list[Request]]] = {
     "shared-prefix": shared_prefix,
     "multi-turn": multi_turn,
     "agentic": agentic,
+    "tool-agent": tool_agent,
 }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from traces.chain import BlockChainer
+from traces.ceiling import InfiniteCache
 from traces.loaders import Trace
 from traces.schema import DEFAULT_BLOCK_TOKENS, Request
 
@@ -167,11 +167,9 @@ def trace_stats(
     accesses: list[Any] = []
     sessions: set[str] = set()
     tenants: set[str] = set()
-    seen: set[Any] = set()
     counts: Counter[Any] = Counter()
     hit_tokens = 0
-    chainer: BlockChainer | None = None
-    unique = 0
+    cache = InfiniteCache(bt)
 
     for r in source:
         arrivals.append(r.arrival_s)
@@ -181,23 +179,8 @@ def trace_stats(
             sessions.add(r.session_id)
         if r.tenant is not None:
             tenants.add(r.tenant)
-        ids: Iterable[Any]
-        if r.block_hashes is not None:
-            ids = r.block_hashes
-        elif r.token_ids is not None:
-            chainer = chainer or BlockChainer()
-            # their own namespace: token-chained ids must not meet trace ids
-            ids = [("t", h) for h in chainer.chain_tokens(r.token_ids, bt)]
-        else:
-            n = -(-r.input_len // bt)
-            ids = [("u", unique + k) for k in range(n)]
-            unique += n
-        last_j = -(-r.input_len // bt) - 1
-        for j, h in enumerate(ids):
-            if h in seen:
-                hit_tokens += bt if j < last_j else r.input_len - j * bt
-            else:
-                seen.add(h)
+        ids = cache.ids(r)
+        hit_tokens += cache.admit(r, ids)
         accesses.extend(ids)
         counts.update(ids)
 
