@@ -8,8 +8,7 @@ before any trace is read.
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.profile import GpuProfile, load_profile
 from kvflow.world import WORLDS, TierRequest, World, default_capacities
 from traces import Request, open_trace, sample_path
+from traces.reshape import bound, poisson_arrivals, rate_scale
 
 MODES = ("full", "cache")
 #: Worlds a full replay runs in (``kvflow.world.WORLDS``): the simulator, or a real GPU.
@@ -68,6 +68,8 @@ class ReplayConfig:
     duration_s: float | None = None
     #: Poisson arrivals at this many requests/s (seeded) instead of the trace's times.
     rate: float | None = None
+    #: With ``rate``: gamma gaps of this shape (1: Poisson; < 1 burstier), as bench_serving.
+    burstiness: float = 1.0
     # -- service targets ----------------------------------------------------------------------
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
@@ -109,7 +111,8 @@ class ReplayConfig:
         if self.router_view not in VIEWS:
             raise ConfigError(f"unknown router_view {self.router_view!r}; valid: "
                               f"{', '.join(VIEWS)}")
-        for name in ("rate_scale", "duration_s", "rate", "slo_ttft_s", "slo_tpot_s"):
+        for name in ("rate_scale", "duration_s", "rate", "burstiness", "slo_ttft_s",
+                     "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) and v > 0):
@@ -161,31 +164,19 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
     spec = preset(cfg.model, block_tokens=trace.block_tokens)
     profile = load_profile(cfg.profile)
     hasher = BlockHasher(trace.block_tokens)
-    requests = []
-    arrivals = poisson_arrivals(cfg.rate, cfg.seed) if cfg.rate is not None else None
-    for req in trace:
-        if cfg.limit is not None and len(requests) >= cfg.limit:
-            break
-        arrival = next(arrivals) if arrivals is not None else req.arrival_s
-        if cfg.rate_scale != 1.0:
-            arrival = arrival / cfg.rate_scale
-        if cfg.duration_s is not None and arrival >= cfg.duration_s:
-            continue  # (a trace need not be in time order)
-        requests.append(EngineRequest(req.index, arrival, request_keys(req, hasher),
-                                      req.input_len, req.output_len))
+    source: Iterable[Request] = trace
+    if cfg.rate is not None:
+        source = poisson_arrivals(source, cfg.rate, burstiness=cfg.burstiness, seed=cfg.seed)
+    if cfg.rate_scale != 1.0:
+        source = rate_scale(source, cfg.rate_scale)
+    if cfg.duration_s is not None or cfg.limit is not None:
+        source = bound(source, duration_s=cfg.duration_s, limit=cfg.limit)
+    requests = [EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
+                              req.input_len, req.output_len) for req in source]
     want = cfg.tier_request()
     capacities = (default_capacities(spec, profile, want) if world is None
                   else world.capacities(spec, profile, want))
     return Setup(spec, profile, capacities, requests, str(path), trace.skipped)
-
-
-def poisson_arrivals(rate: float, seed: int) -> Iterator[float]:
-    """Arrival times of a Poisson process at ``rate`` requests/s from 0 (seeded)."""
-    rng = random.Random(seed)
-    t = 0.0
-    while True:
-        yield t
-        t += rng.expovariate(rate)
 
 
 def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:
