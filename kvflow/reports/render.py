@@ -101,7 +101,7 @@ class Metric:
 
     key: str
     label: str
-    kind: str  # pct | secs | bytes | count | req_rate | tok_rate
+    kind: str  # pct | secs | bytes | count | req_rate | tok_rate | ratio
     better: int = 0
 
 
@@ -117,6 +117,7 @@ METRICS: tuple[Metric, ...] = (
     *_latency("ttft_s", "TTFT"),
     *_latency("tpot_s", "TPOT"),
     *_latency("e2e_s", "E2E"),
+    *_latency("queue_s", "queue"),
     Metric("throughput.requests_per_s", "throughput", "req_rate", +1),
     Metric("throughput.output_tokens_per_s", "output tokens", "tok_rate", +1),
     Metric("throughput.prompt_tokens_per_s", "prompt tokens", "tok_rate", +1),
@@ -134,6 +135,14 @@ METRICS: tuple[Metric, ...] = (
     Metric("truncated", "truncated (longer than device)", "count", -1),
     Metric("sim_time_s", "simulated time", "secs"),
     Metric("wall_s", "wall time", "secs", -1),
+    Metric("load.offered.requests_per_s", "offered requests", "req_rate"),
+    Metric("load.offered.prompt_tokens_per_s", "offered prompt tokens", "tok_rate"),
+    Metric("load.utilization_predicted", "predicted utilisation", "ratio", -1),
+    Metric("load.compute_busy_share", "compute busy", "pct"),
+    Metric("slo.attainment", "SLO attainment", "pct", +1),
+    Metric("slo.goodput_requests_per_s", "goodput", "req_rate", +1),
+    Metric("cluster.imbalance_requests", "load imbalance (max/mean)", "ratio", -1),
+    Metric("cluster.prefix_routed_share", "routed to a cached prefix", "pct"),
 )
 METRIC_BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 
@@ -234,6 +243,8 @@ def fmt_value(kind: str, x: float | None) -> str:
         return fmt_rate(x, "req/s")
     if kind == "tok_rate":
         return fmt_rate(x, "tok/s")
+    if kind == "ratio":
+        return DASH if x is None else f"{x:.2f}"
     return fmt_count(x)
 
 
@@ -328,7 +339,9 @@ def sections(report: Mapping[str, Any]) -> list[Section]:
     stats = ("mean", "p50", "p90", "p99")
     lat = tuple(
         (label, *(fmt_secs(flat[f"{name}.{s}"]) for s in stats))
-        for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"))
+        for name, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E"),
+                            ("queue_s", "queue"))
+        if name != "queue_s" or flat["queue_s.p50"] is not None
     )
     if is_cache_mode(report):
         out.append(Section("latency", ("", *stats), (), note="not simulated in cache mode"))
@@ -356,6 +369,55 @@ def sections(report: Mapping[str, Any]) -> list[Section]:
     out.append(
         Section("prefetch and errors", ("", "count"), tuple(pe), note="" if pe else "none recorded")
     )
+    out.extend(_load_sections(report, flat))
+    return out
+
+
+def _load_sections(report: Mapping[str, Any], flat: Mapping[str, Any]) -> list[Section]:
+    """Offered load against capacity, service targets, and the cluster's instances."""
+    out: list[Section] = []
+    load = report.get("load")
+    if isinstance(load, Mapping):
+        cap = load.get("capacity_per_instance") or {}
+        verdict = "overloaded: TTFT is mostly queueing" if load.get("overloaded") else "keeps up"
+        rows = (
+            ("offered", fmt_value("req_rate", flat["load.offered.requests_per_s"])),
+            ("offered prompt tokens", fmt_value("tok_rate",
+                                                flat["load.offered.prompt_tokens_per_s"])),
+            ("instances", _plain(load.get("instances"))),
+            ("prefill per instance", fmt_value("tok_rate", as_number(
+                cap.get("prefill_tokens_per_s")))),
+            ("decode per instance", fmt_value("tok_rate", as_number(
+                cap.get("decode_tokens_per_s")))),
+            ("predicted utilisation", fmt_value("ratio", flat["load.utilization_predicted"])),
+            ("compute busy", fmt_pct(flat["load.compute_busy_share"])),
+            ("verdict", verdict),
+            ("instances for 0.7", _plain(load.get("instances_suggested"))),
+        )
+        out.append(Section("load", ("", "value"), rows,
+                           note="capacity from the cost model; utilisation without cache reuse"))
+    slo = report.get("slo")
+    if isinstance(slo, Mapping):
+        out.append(Section("service targets", ("", "value"), (
+            ("TTFT target", fmt_secs(as_number(slo.get("ttft_s")))),
+            ("TPOT target", fmt_secs(as_number(slo.get("tpot_s")))),
+            ("attainment", fmt_pct(flat["slo.attainment"])),
+            ("goodput", fmt_value("req_rate", flat["slo.goodput_requests_per_s"])))))
+    rows_in = report.get("instances")
+    cluster = report.get("cluster")
+    if isinstance(rows_in, list) and isinstance(cluster, Mapping):
+        rows = tuple(
+            (str(r.get("instance")), fmt_count(as_number(r.get("requests"))),
+             fmt_pct(as_number(get_path(r, "hit_rate.total"))),
+             fmt_secs(as_number(get_path(r, "ttft_s.p50"))),
+             fmt_secs(as_number(get_path(r, "queue_s.p50"))),
+             fmt_pct(as_number(r.get("compute_utilization"))))
+            for r in rows_in if isinstance(r, Mapping))
+        note = (f"router {cluster.get('router')} ({cluster.get('view')} view); load imbalance "
+                f"{fmt_value('ratio', flat['cluster.imbalance_requests'])}, routed to a cached "
+                f"prefix {fmt_pct(flat['cluster.prefix_routed_share'])}")
+        out.append(Section("instances", ("instance", "requests", "hit rate", "TTFT p50",
+                                         "queue p50", "compute busy"), rows, note=note))
     return out
 
 

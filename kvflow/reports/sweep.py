@@ -58,6 +58,7 @@ class SweepError(KvflowError, ValueError):
 
 def _choices() -> dict[str, tuple[str, ...]]:
     """Valid words for the string settings, from the registries that define them."""
+    from kvflow.cluster.router import ROUTERS, VIEWS
     from kvflow.policy import EVICTION_POLICIES, PREFETCH_POLICIES, WRITE_POLICIES
 
     return {
@@ -65,6 +66,9 @@ def _choices() -> dict[str, tuple[str, ...]]:
         "write_policy": tuple(WRITE_POLICIES),
         "prefetch_policy": tuple(PREFETCH_POLICIES),
         "mode": MODES,
+        "router": ROUTERS,
+        "router_view": VIEWS,
+        "instances": ("auto",),
     }
 
 
@@ -109,8 +113,13 @@ def coerce_value(name: str, hint: Any, raw: str) -> Any:
         if raw.lower() in NONE_WORDS and type(None) in args:
             return None
         rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            raise SweepError(f"{name}: cannot sweep a setting of type {hint}")
+        if len(rest) > 1:  # e.g. ``int | str`` (instances=4 or auto): the first that parses
+            for alt in sorted(rest, key=lambda a: a is str):
+                try:
+                    return coerce_value(name, alt, raw)
+                except SweepError:
+                    continue
+            raise SweepError(f"{name}={raw}: not a valid value (a {hint})")
         hint = rest[0]
     if hint is bool:
         low = raw.lower()
