@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,7 @@ def test_rate_scaling_halves_inter_arrival_gaps_exactly() -> None:
     base = resolve(ReplayConfig(limit=200)).requests
     fast = resolve(ReplayConfig(limit=200, rate_scale=2.0)).requests
     assert [r.request_id for r in fast] == [r.request_id for r in base]
-    for (a0, a1), (b0, b1) in zip(zip(base, base[1:]), zip(fast, fast[1:]), strict=True):
+    for (a0, a1), (b0, b1) in zip(pairwise(base), pairwise(fast), strict=True):
         assert (b1.arrival_s - b0.arrival_s) == (a1.arrival_s - a0.arrival_s) / 2
 
 
