@@ -41,7 +41,7 @@ import numpy as np
 from kernels._cuda import cupy_module
 from kernels.backend import CudaBackend
 from kernels.compute import GpuExecutor, to_bf16
-from kernels.fast import FastExecutor
+from kernels.fast import DEFAULT_PREFILL, PREFILL_VARIANTS, FastExecutor
 from kernels.model import ModelShape, StepItem, prompt_tokens
 from kvflow.layout import preset
 
@@ -162,17 +162,25 @@ def bench_prefill(cp: Any, exs: dict[str, GpuExecutor], shape: ModelShape, reps:
         items = [StepItem("p", False, np.arange(n, dtype=np.int32), 0, table, True)]
         flops = 4.0 * shape.heads * shape.head_dim * n * n / 2
         row: dict[str, Any] = {"tokens": n}
-        for kind, ex in exs.items():
+        fast = exs["fast"]
+        assert isinstance(fast, FastExecutor)
+        chosen = fast.prefill
+        runs = [("exact", exs["exact"], None), *[(f"fast {v}", fast, v) for v in PREFILL_VARIANTS]]
+        for label, ex, variant in runs:
+            if variant is not None:
+                fast.use_prefill(variant)
             plan = ex._build(items)
             meta = ex._upload(plan)
             fill_qkv(cp, ex, n)
             t = gpu_seconds(cp, ex.stream, lambda ex=ex, plan=plan, meta=meta:
                             ex._attend(plan, meta, 0), reps)
-            row[kind] = {"s": t, "tflops": flops / t / 1e12, "of_peak": flops / t / peak}
+            row[label] = {"s": t, "tflops": flops / t / 1e12, "of_peak": flops / t / peak}
+        fast.use_prefill(chosen)
+        row["fast"] = row[f"fast {chosen}"]
         row["ratio"] = row["exact"]["s"] / row["fast"]["s"]
         out.append(row)
         print(f"  prefill n={n} (block {bt}): " + ", ".join(
-            f"{k} {row[k]['of_peak']:.3f}" for k in exs) + " of peak", flush=True)
+            f"{k} {row[k]['of_peak']:.3f}" for k, _, _ in runs) + " of peak", flush=True)
     return out
 
 
@@ -298,19 +306,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         exact = GpuExecutor(backend, seed=0, max_tokens=8192 + 64, record_rows=True)
         fast = FastExecutor(backend, seed=0, max_tokens=8192 + 64, record_rows=True,
                             weights=exact.weights)
-        fast4 = FastExecutor(backend, seed=0, max_tokens=8192 + 64, weights=exact.weights,
-                             prefill_warps=4)
         asyncio.run(exact.warm_up(block=blocks - 1))
         asyncio.run(fast.warm_up(block=blocks - 1))
-        asyncio.run(fast4.warm_up(block=blocks - 1))
         exs: dict[str, GpuExecutor] = {"fast": fast, "exact": exact}
-        res: dict[str, Any] = {}
+        res: dict[str, Any] = {"kernels": {}}
+        for v in PREFILL_VARIANTS:
+            fast.use_prefill(v)
+            res["kernels"][v] = fast.kernel_info()["fast_prefill"]
+        fast.use_prefill(args.prefill)
+        res["kernels"]["decode"] = fast.kernel_info()["fast_decode"]
+        print(f"  kernels (block {bt}): {res['kernels']}", flush=True)
         if bt == args.block_tokens[0]:
             with Section(f"gemm (block {bt})", result):
                 res["gemm"] = bench_gemm(cp, exs, shape, reps, peak,
                                          GEMM_ROWS[::2] if args.quick else GEMM_ROWS)
         with Section(f"prefill (block {bt})", result):
-            res["prefill"] = bench_prefill(cp, {**exs, "fast_w4": fast4}, shape, reps, peak,
+            res["prefill"] = bench_prefill(cp, exs, shape, reps, peak,
                                            PREFILL_N[1::2] if args.quick else PREFILL_N)
         with Section(f"decode (block {bt})", result):
             res["decode"] = bench_decode(cp, exs, shape, reps, hbm, dec_first)
@@ -323,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res["agreement"] = asyncio.run(bench_agreement(exs, shape, 0))
         result[f"block_{bt}"] = res
         backend.synchronize()
-        del exact, fast, fast4, backend, exs
+        del exact, fast, backend, exs
         cp.get_default_memory_pool().free_all_blocks()
     return result
 
@@ -343,15 +354,15 @@ def report(r: dict[str, Any], bts: list[int]) -> str:
                      + f" | {g['ratio']:.2f}x |")
     for bt in bts:
         res = r[f"block_{bt}"]
+        cols = [f"fast {v}" for v in PREFILL_VARIANTS] + ["exact"]
         lines += ["", f"Prefill attention, causal, one prompt, {bt}-token blocks, fraction of "
-                  "peak (TFLOP/s):", "",
-                  "| tokens | fast (8 warps) | fast (4 warps) | exact | fast / exact speed |",
-                  "|---|---|---|---|---|"]
+                  "peak (TFLOP/s); fast kernels named warps/m-tiles a warp/keys a tile:", "",
+                  "| tokens | " + " | ".join(cols) + " | default fast / exact speed |",
+                  "|---" * (len(cols) + 2) + "|"]
         for p in res["prefill"]:
-            lines.append(f"| {p['tokens']} | {p['fast']['of_peak']:.3f} "
-                         f"({p['fast']['tflops']:.0f}) | {p['fast_w4']['of_peak']:.3f} "
-                         f"({p['fast_w4']['tflops']:.0f}) | {p['exact']['of_peak']:.3f} "
-                         f"({p['exact']['tflops']:.0f}) | {p['ratio']:.2f}x |")
+            lines.append(f"| {p['tokens']} | " + " | ".join(
+                f"{p[c]['of_peak']:.3f} ({p[c]['tflops']:.0f})" for c in cols)
+                + f" | {p['ratio']:.2f}x |")
         d = res["decode"]
         lines += ["", f"Decode attention, {d['sequences']} x {d['context']} context, {bt}-token "
                   f"blocks ({d['bytes'] / 2**20:.0f} MiB of K+V), fraction of HBM bandwidth:", "",
@@ -388,6 +399,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.4)
     ap.add_argument("--hbm-tbps", type=float, default=3.35)
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
+    ap.add_argument("--prefill", default=DEFAULT_PREFILL, choices=list(PREFILL_VARIANTS),
+                    help="the fast executor's prefill kernel in the steps and agreement")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the tables here")
     args = ap.parse_args()

@@ -121,16 +121,19 @@ __device__ __forceinline__ void load_q(u32 (&qf)[HD / 16][4], const u16* __restr
   }
 }
 
-// S = Q K^T for keys [kb, kb + 8 NT) of the tile in Ks (rows g / g+8 of the warp).
-template <int HD, int NT>
-__device__ __forceinline__ void qk(float (&s)[NT][4], const u32 (&qf)[HD / 16][4],
+// S = Q K^T for keys [kb, kb + 8 NT) of the tile in Ks, for MT m-tiles of 16 rows (each
+// K fragment loaded once serves all of them).
+template <int HD, int NT, int MT>
+__device__ __forceinline__ void qk(float (&s)[MT][NT][4], const u32 (&qf)[MT][HD / 16][4],
                                    const u16* Ks, const int kb) {
   constexpr int LDS = HD + 8;
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[nt][e] = 0.f;
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
   // matrix L/8: keys +8 * (L/16), dims +8 * ((L/8) & 1)
   const u16* base = Ks + (kb + ((lane >> 4) & 1) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8;
 #pragma unroll
@@ -139,8 +142,11 @@ __device__ __forceinline__ void qk(float (&s)[NT][4], const u32 (&qf)[HD / 16][4
     for (int np = 0; np < NT / 2; ++np) {
       u32 b[4];
       ldmatrix_x4(b, base + np * 16 * LDS + c * 16);
-      mma_bf16(s[2 * np], qf[c], b[0], b[1]);
-      mma_bf16(s[2 * np + 1], qf[c], b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(s[mt][2 * np], qf[mt][c], b[0], b[1]);
+        mma_bf16(s[mt][2 * np + 1], qf[mt][c], b[2], b[3]);
+      }
     }
   }
 }
@@ -187,9 +193,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const float scal
   }
 }
 
-// O += P V for keys [kb, kb + 8 NT) of the tile in Vs.
-template <int HD, int NT>
-__device__ __forceinline__ void pv(float (&o)[HD / 8][4], const float (&p)[NT][4],
+// O += P V for keys [kb, kb + 8 NT) of the tile in Vs, for MT m-tiles.
+template <int HD, int NT, int MT>
+__device__ __forceinline__ void pv(float (&o)[MT][HD / 8][4], const float (&p)[MT][NT][4],
                                    const u16* Vs, const int kb) {
   constexpr int LDS = HD + 8;
   const int lane = threadIdx.x & 31;
@@ -197,17 +203,23 @@ __device__ __forceinline__ void pv(float (&o)[HD / 8][4], const float (&p)[NT][4
   const u16* base = Vs + (kb + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + ((lane >> 4) & 1) * 8;
 #pragma unroll
   for (int kc = 0; kc < NT / 2; ++kc) {
-    u32 a[4];
-    a[0] = pack_bf16(p[2 * kc][0], p[2 * kc][1]);
-    a[1] = pack_bf16(p[2 * kc][2], p[2 * kc][3]);
-    a[2] = pack_bf16(p[2 * kc + 1][0], p[2 * kc + 1][1]);
-    a[3] = pack_bf16(p[2 * kc + 1][2], p[2 * kc + 1][3]);
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      a[mt][0] = pack_bf16(p[mt][2 * kc][0], p[mt][2 * kc][1]);
+      a[mt][1] = pack_bf16(p[mt][2 * kc][2], p[mt][2 * kc][3]);
+      a[mt][2] = pack_bf16(p[mt][2 * kc + 1][0], p[mt][2 * kc + 1][1]);
+      a[mt][3] = pack_bf16(p[mt][2 * kc + 1][2], p[mt][2 * kc + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < HD / 16; ++dp) {
       u32 b[4];
       ldmatrix_x4_trans(b, base + kc * 16 * LDS + dp * 16);
-      mma_bf16(o[2 * dp], a, b[0], b[1]);
-      mma_bf16(o[2 * dp + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(o[mt][2 * dp], a[mt], b[0], b[1]);
+        mma_bf16(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+      }
     }
   }
 }
@@ -223,15 +235,16 @@ __device__ __forceinline__ void zero_state(float (&m)[2], float (&l)[2], float (
 }
 
 // ------------------------------------------------------------------------------ prefill
-// CTA (query head, work item); work: int4 per item (row0, nrows <= 16 W, qpos0, table
-// offset). Shared: K and V, 2 stages of [BN][HD + 8] each.
-template <int HD, int W, int BN>
+// CTA (query head, work item); work: int4 per item (row0, nrows <= 16 MT W, qpos0, table
+// offset). Warp w owns rows 16 MT w .. 16 MT (w + 1) - 1 as MT m-tiles. Shared: K and V,
+// 2 stages of [BN][HD + 8] each.
+template <int HD, int W, int BN, int MT>
 __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                         const u64 vc_addr, const i64 block_stride, const int bt,
                                         const int kv_heads, const int group, const u64 work_addr,
                                         const u64 tables_addr, const u64 out_addr,
                                         const float scale) {
-  constexpr int LDS = HD + 8, NT = BN / 8, TILE = BN * LDS;
+  constexpr int LDS = HD + 8, NT = BN / 8, TILE = BN * LDS, WR = 16 * MT;
   u16* Ks = reinterpret_cast<u16*>(kvflow_fast_smem);
   u16* Vs = Ks + 2 * TILE;
   const int head = blockIdx.x;
@@ -244,18 +257,23 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
   const int kvh = head / group, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int kv_dim = kv_heads * HD;
-  const int r0 = warp * 16;
+  const int r0 = warp * WR;
   const bool active = r0 < nrows;
-  // Padding rows repeat the last real row: finite, never stored.
-  const int r_lo = min(r0 + g, nrows - 1), r_hi = min(r0 + g + 8, nrows - 1);
-  const int pos_lo = qpos0 + r_lo, pos_hi = qpos0 + r_hi;
-  const int w_first = qpos0 + min(r0, nrows - 1), w_last = qpos0 + min(r0 + 15, nrows - 1);
+  const int w_first = qpos0 + min(r0, nrows - 1), w_last = qpos0 + min(r0 + WR - 1, nrows - 1);
   const int last = qpos0 + nrows - 1;
-  u32 qf[HD / 16][4];
-  load_q<HD>(qf, qkv + static_cast<i64>(row0 + r_lo) * ld + head * HD,
-             qkv + static_cast<i64>(row0 + r_hi) * ld + head * HD);
-  float m[2], l[2], o[HD / 8][4];
-  zero_state<HD>(m, l, o);
+  u32 qf[MT][HD / 16][4];
+  int pos[MT][2];  // positions of this lane's rows (padding rows repeat the last real row)
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int r_lo = min(r0 + 16 * mt + g, nrows - 1), r_hi = min(r0 + 16 * mt + g + 8, nrows - 1);
+    pos[mt][0] = qpos0 + r_lo;
+    pos[mt][1] = qpos0 + r_hi;
+    load_q<HD>(qf[mt], qkv + static_cast<i64>(row0 + r_lo) * ld + head * HD,
+               qkv + static_cast<i64>(row0 + r_hi) * ld + head * HD);
+  }
+  float m[MT][2], l[MT][2], o[MT][HD / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) zero_state<HD>(m[mt], l[mt], o[mt]);
   const int ntiles = last / BN + 1;
   load_kv<HD, BN, 32 * W>(Ks, Vs, kc, vc, table, 0, last, bt, block_stride, kv_dim, kvh);
   cp_async_commit();
@@ -270,22 +288,20 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
     cp_async_commit();
     const int k0 = j * BN;
     if (active && k0 <= w_last) {
-      const u16* K = Ks + (j & 1) * TILE;
-      const u16* V = Vs + (j & 1) * TILE;
-      float s[NT][4];
-      qk<HD, NT>(s, qf, K, 0);
+      float s[MT][NT][4];
+      qk<HD, NT, MT>(s, qf, Ks + (j & 1) * TILE, 0);
       if (k0 + BN - 1 > w_first) {  // the tile crosses this warp's diagonal: mask
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int key = k0 + nt * 8 + 2 * t + (e & 1);
-            if (key > ((e >> 1) ? pos_hi : pos_lo)) s[nt][e] = neg_inf();
-          }
-        }
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (k0 + nt * 8 + 2 * t + (e & 1) > pos[mt][e >> 1]) s[mt][nt][e] = neg_inf();
       }
-      softmax_step<HD, NT>(s, scale, m, l, o);
-      pv<HD, NT>(o, s, V, 0);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) softmax_step<HD, NT>(s[mt], scale, m[mt], l[mt], o[mt]);
+      pv<HD, NT, MT>(o, s, Vs + (j & 1) * TILE, 0);
     }
   }
   cp_async_wait<0>();
@@ -293,18 +309,21 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
   u16* out = reinterpret_cast<u16*>(out_addr);
   const int qdim = kv_heads * group * HD;
 #pragma unroll
-  for (int hi = 0; hi < 2; ++hi) {
-    float lt = l[hi];
-    lt += __shfl_xor_sync(0xffffffffu, lt, 1);
-    lt += __shfl_xor_sync(0xffffffffu, lt, 2);
-    const float inv = 1.0f / lt;
-    const int r = r0 + g + 8 * hi;
-    if (r >= nrows) continue;
-    u16* dst = out + static_cast<i64>(row0 + r) * qdim + head * HD;
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-    for (int dn = 0; dn < HD / 8; ++dn) {
-      *reinterpret_cast<u32*>(dst + dn * 8 + 2 * t) =
-          pack_bf16(o[dn][2 * hi] * inv, o[dn][2 * hi + 1] * inv);
+    for (int hi = 0; hi < 2; ++hi) {
+      float lt = l[mt][hi];
+      lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+      lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      const float inv = 1.0f / lt;
+      const int r = r0 + 16 * mt + g + 8 * hi;
+      if (r >= nrows) continue;
+      u16* dst = out + static_cast<i64>(row0 + r) * qdim + head * HD;
+#pragma unroll
+      for (int dn = 0; dn < HD / 8; ++dn) {
+        *reinterpret_cast<u32*>(dst + dn * 8 + 2 * t) =
+            pack_bf16(o[mt][dn][2 * hi] * inv, o[mt][dn][2 * hi + 1] * inv);
+      }
     }
   }
 }
@@ -331,11 +350,11 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
   const int g = lane >> 2, t = lane & 3;
   const int kv_dim = kv_heads * HD;
   const int h_lo = min(g, group - 1), h_hi = min(g + 8, group - 1);
-  u32 qf[HD / 16][4];
+  u32 qf[1][HD / 16][4];
   const u16* q = qkv + static_cast<i64>(row) * ld + kvh * group * HD;
-  load_q<HD>(qf, q + h_lo * HD, q + h_hi * HD);
-  float m[2], l[2], o[HD / 8][4];
-  zero_state<HD>(m, l, o);
+  load_q<HD>(qf[0], q + h_lo * HD, q + h_hi * HD);
+  float m[2], l[2], o[1][HD / 8][4];
+  zero_state<HD>(m, l, o[0]);
   const int last = kend - 1;
   const int ntiles = (kend - kbeg + BN - 1) / BN;
 #pragma unroll
@@ -359,17 +378,17 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
     const int kw = kbeg + j * BN + warp * 16;  // this warp's 16 keys
     if (kw <= last) {
       const int st = j % STAGES;
-      float s[2][4];
-      qk<HD, 2>(s, qf, Ks + st * TILE, warp * 16);
+      float s[1][2][4];
+      qk<HD, 2, 1>(s, qf, Ks + st * TILE, warp * 16);
       if (kw + 15 > last) {
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e)
-            if (kw + nt * 8 + 2 * t + (e & 1) > last) s[nt][e] = neg_inf();
+            if (kw + nt * 8 + 2 * t + (e & 1) > last) s[0][nt][e] = neg_inf();
       }
-      softmax_step<HD, 2>(s, scale, m, l, o);
-      pv<HD, 2>(o, s, Vs + st * TILE, warp * 16);
+      softmax_step<HD, 2>(s[0], scale, m, l, o[0]);
+      pv<HD, 2, 1>(o, s, Vs + st * TILE, warp * 16);
     }
   }
   cp_async_wait<0>();
@@ -391,7 +410,7 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
 #pragma unroll
     for (int dn = 0; dn < HD / 8; ++dn) {
       *reinterpret_cast<float2*>(dst + dn * 8 + 2 * t) =
-          make_float2(o[dn][2 * hi], o[dn][2 * hi + 1]);
+          make_float2(o[0][dn][2 * hi], o[0][dn][2 * hi + 1]);
     }
   }
   __syncthreads();
@@ -423,13 +442,14 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
 }  // namespace
 
 // ---------------------------------------------------------------------- entry points
-#define KVFLOW_FAST_PREFILL(HD, W, BN)                                                           \
-  extern "C" __global__ void __launch_bounds__(32 * W) kvflow_fast_prefill_hd##HD##_w##W(       \
-      const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,           \
-      const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,       \
-      const u64 out, const float scale) {                                                        \
-    prefill<HD, W, BN>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables, out,    \
-                       scale);                                                                   \
+#define KVFLOW_FAST_PREFILL(HD, W, BN, MT)                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * W)                                           \
+      kvflow_fast_prefill_hd##HD##_w##W##_m##MT##_n##BN(                                         \
+          const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,       \
+          const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,   \
+          const u64 out, const float scale) {                                                    \
+    prefill<HD, W, BN, MT>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables,     \
+                           out, scale);                                                          \
   }
 
 #define KVFLOW_FAST_DECODE(HD, W, ST)                                                            \
@@ -441,9 +461,14 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
                       part_ml, scale);                                                           \
   }
 
-KVFLOW_FAST_PREFILL(64, 4, 64)
-KVFLOW_FAST_PREFILL(64, 8, 64)
-KVFLOW_FAST_PREFILL(128, 4, 64)
-KVFLOW_FAST_PREFILL(128, 8, 64)
+// (HD, warps, keys a tile, m-tiles a warp): kernels/fast.py's PREFILL_VARIANTS.
+KVFLOW_FAST_PREFILL(64, 8, 64, 1)
+KVFLOW_FAST_PREFILL(64, 4, 64, 1)
+KVFLOW_FAST_PREFILL(64, 4, 32, 2)
+KVFLOW_FAST_PREFILL(64, 4, 64, 2)
+KVFLOW_FAST_PREFILL(128, 8, 64, 1)
+KVFLOW_FAST_PREFILL(128, 4, 64, 1)
+KVFLOW_FAST_PREFILL(128, 4, 32, 2)
+KVFLOW_FAST_PREFILL(128, 4, 64, 2)
 KVFLOW_FAST_DECODE(64, 4, 3)
 KVFLOW_FAST_DECODE(128, 4, 3)

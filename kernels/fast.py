@@ -42,9 +42,15 @@ from kvflow.errors import ConfigError
 EXECUTORS = ("fast", "exact")
 DEFAULT_EXECUTOR = "fast"
 
-#: Keys per K/V tile of the prefill kernel and (16 per warp) of the decode kernel.
-_BN = 64
+#: Prefill kernels of fast.cu by name: (warps a CTA, m-tiles of 16 query rows a warp, keys a
+#: K/V tile). A work item is 16 * warps * m-tiles rows. More rows a warp share each K/V
+#: fragment it reads from shared memory (less traffic per MMA) for more registers.
+PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64), "w4m1n64": (4, 1, 64), "w4m2n32": (4, 2, 32),
+                    "w4m2n64": (4, 2, 64)}
+DEFAULT_PREFILL = "w8m1n64"
 _PREFILL_STAGES = 2
+#: Keys per K/V tile of the decode kernel (16 per warp).
+_BN = 64
 _DECODE_WARPS, _DECODE_STAGES = 4, 3
 #: Decode splits: about this many CTAs per SM in a step, splits never shorter than this.
 _DECODE_CTAS_PER_SM = 8
@@ -113,44 +119,49 @@ class CublasGemm:
 class FastExecutor(GpuExecutor):
     """``GpuExecutor`` with cuBLAS GEMMs and FlashAttention-style paged attention.
 
-    ``prefill_warps`` (4 or 8): warps per prefill CTA, 16 query rows each (a
-    work item is that many rows). ``decode_split``: keys per decode split;
-    ``None`` sizes the splits per step so that the step's decode CTAs fill the
-    GPU a few times over (long contexts of few sequences get more splits).
+    ``prefill``: which prefill kernel (``PREFILL_VARIANTS``; ``use_prefill``
+    changes it). ``decode_split``: keys per decode split; ``None`` sizes the
+    splits per step so that the step's decode CTAs fill the GPU a few times
+    over (long contexts of few sequences get more splits).
     Other arguments as ``GpuExecutor``.
     """
 
     kind = "fast"
 
     def __init__(self, backend: CudaBackend, *, decode_split: int | None = None,
-                 prefill_warps: int = 8, **kwargs: Any) -> None:
+                 prefill: str = DEFAULT_PREFILL, **kwargs: Any) -> None:
         if decode_split is not None and (decode_split <= 0 or decode_split % TILE):
             raise ConfigError(f"decode_split must be a positive multiple of {TILE}")
-        if prefill_warps not in (4, 8):
-            raise ConfigError(f"prefill_warps must be 4 or 8, got {prefill_warps!r}")
         super().__init__(backend, decode_split=decode_split or DECODE_SPLIT, **kwargs)
         cp = self._cp
         self.fixed_split = decode_split
-        self.prefill_warps = prefill_warps
         hd = self.shape.head_dim
         with cp.cuda.Device(self.device):
-            from cupy.cuda import driver
-
-            mod = load_module("fast.cu", self.device)
-            self._fn["fast_prefill"] = mod.get_function(
-                f"kvflow_fast_prefill_hd{hd}_w{prefill_warps}")
-            self._fn["fast_decode"] = mod.get_function(
+            self._mod = load_module("fast.cu", self.device)
+            self.use_prefill(prefill)
+            dec = self._fn["fast_decode"] = self._mod.get_function(
                 f"kvflow_fast_decode_hd{hd}_w{_DECODE_WARPS}")
-            row = (hd + 8) * 2
-            self._smem_prefill = _PREFILL_STAGES * 2 * _BN * row
-            self._smem_decode = max(_DECODE_STAGES * 2 * _BN * row,
+            self._smem_decode = max(_DECODE_STAGES * 2 * _BN * (hd + 8) * 2,
                                     _DECODE_WARPS * 16 * (2 + hd) * 4)
-            attr = driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-            driver.funcSetAttribute(self._fn["fast_prefill"].ptr, attr, self._smem_prefill)
-            driver.funcSetAttribute(self._fn["fast_decode"].ptr, attr, self._smem_decode)
+            dec.max_dynamic_shared_size_bytes = self._smem_decode  # past the default 48 KB
             self.sms = int(cp.cuda.runtime.getDeviceProperties(self.device)
                            ["multiProcessorCount"])
             self.gemm = CublasGemm(self.stream)
+
+    def use_prefill(self, name: str) -> None:
+        """Run prefill attention with the kernel ``name`` of ``PREFILL_VARIANTS`` from now on."""
+        if name not in PREFILL_VARIANTS:
+            raise ConfigError(f"unknown prefill kernel {name!r}; valid: "
+                              f"{', '.join(PREFILL_VARIANTS)}")
+        warps, mtiles, keys = PREFILL_VARIANTS[name]
+        hd = self.shape.head_dim
+        with self._cp.cuda.Device(self.device):
+            fn = self._mod.get_function(f"kvflow_fast_prefill_hd{hd}_w{warps}_m{mtiles}_n{keys}")
+            smem = _PREFILL_STAGES * 2 * keys * (hd + 8) * 2  # K and V, padded rows
+            fn.max_dynamic_shared_size_bytes = smem
+        self._fn["fast_prefill"], self._smem_prefill = fn, smem
+        self.prefill, self.prefill_threads = name, 32 * warps
+        self.prefill_rows = 16 * warps * mtiles
 
     # ------------------------------------------------------------------ step layout
     def decode_split_for(self, items: Sequence[StepItem]) -> int:
@@ -162,7 +173,15 @@ class FastExecutor(GpuExecutor):
 
     def _build(self, items: Sequence[StepItem]) -> StepPlan:
         return build_step(items, self.shape, self.decode_split_for(items),
-                          prefill_tile=16 * self.prefill_warps)
+                          prefill_tile=self.prefill_rows)
+
+    def kernel_info(self) -> dict[str, dict[str, int]]:
+        """Registers and local (spill) bytes of the attention kernels, as loaded."""
+        return {name: {"regs": int(self._fn[name].num_regs),
+                       "local_bytes": int(self._fn[name].local_size_bytes),
+                       "smem": self._smem_prefill if name == "fast_prefill"
+                       else self._smem_decode}
+                for name in ("fast_prefill", "fast_decode")}
 
     # ------------------------------------------------------------------ kernels
     def _gemm(self, a: np.uint64, w: Any, c: np.uint64, m: int, n: int, k: int,
@@ -179,7 +198,7 @@ class FastExecutor(GpuExecutor):
                 u64(self._vc[layer]), np.int64(s.block_stride), i32(s.block_tokens),
                 i32(s.kv_heads), i32(s.group))
         if wp:  # longest work items first: the kernel walks grid y backwards
-            fn["fast_prefill"]((s.heads, wp), (32 * self.prefill_warps,),
+            fn["fast_prefill"]((s.heads, wp), (self.prefill_threads,),
                                (*attn, meta("prefill_work"), meta("tables"), o, scale),
                                stream=stream, shared_mem=self._smem_prefill)
         if wd:

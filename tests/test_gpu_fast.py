@@ -32,7 +32,7 @@ from test_gpu_engine import (
 )
 
 from kernels import gpu_unavailable_reason
-from kernels.fast import EXECUTORS, auto_decode_split, make_executor
+from kernels.fast import EXECUTORS, PREFILL_VARIANTS, auto_decode_split, make_executor
 from kernels.model import (
     DECODE_SPLIT,
     ModelShape,
@@ -158,10 +158,12 @@ def _emitted(ex: Any, items: list[StepItem]) -> np.ndarray:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize(("spec", "warps", "split"), [(SPEC, 8, None), (SPEC, 4, 32),
-                                                      (SPEC128, 8, None), (SPEC128, 4, None)],
-                         ids=["hd64-w8", "hd64-w4-split32", "hd128-w8", "hd128-w4"])
-def test_fast_matches_numpy_reference(spec: ModelSpec, warps: int, split: int | None) -> None:
+@pytest.mark.parametrize(("spec", "prefill", "split"),
+                         [(SPEC, "w8m1n64", None), (SPEC, "w4m2n32", 32),
+                          *[(SPEC128, v, None) for v in PREFILL_VARIANTS]],
+                         ids=["hd64-w8m1n64", "hd64-w4m2n32-split32",
+                              *[f"hd128-{v}" for v in PREFILL_VARIANTS]])
+def test_fast_matches_numpy_reference(spec: ModelSpec, prefill: str, split: int | None) -> None:
     """Chunked prefills, a long-context decode split several ways, a mixed step: the fast
     executor's rows and the KV it wrote, against the float64 reference."""
     from kernels.backend import CudaBackend
@@ -172,7 +174,7 @@ def test_fast_matches_numpy_reference(spec: ModelSpec, warps: int, split: int | 
         steps, blocks = _steps(spec, 700)
         be = CudaBackend(spec, blocks, 1)
         ex = make_executor("fast", be, seed=5, max_tokens=16, decode_split=split,
-                           record_rows=True, prefill_warps=warps)
+                           record_rows=True, prefill=prefill)
         model = NumpyModel(shape, ex.weights_numpy())
         n = blocks * shape.block_stride
         kc = [np.full(n, np.nan) for _ in range(shape.num_layers)]
