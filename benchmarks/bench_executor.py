@@ -6,11 +6,11 @@ events on the executor's stream (median of ``--reps`` after a warm-up):
 
   gemm     one layer's four weight GEMMs (qkv, o, gate/up, down) at 512..8192
            rows: fast (cuBLAS ``gemmEx``, bf16 in, fp32 accumulate), exact
-           (compute.cu), and CuPy's own ``a @ b`` on bf16 arrays for reference
-           (where this CuPy has ``cupy.bfloat16``); fraction of the dense bf16 peak
+           (compute.cu), and CuPy's own ``a @ b`` for reference (bf16 where this
+           CuPy has ``cupy.bfloat16``, else fp16); fraction of the dense bf16 peak
   prefill  causal attention of one prompt of 1k..8k tokens (all 32 heads, KV
            read through 16- or 32-token blocks), FLOPs = 4 * heads * head_dim *
-           n^2 / 2; fraction of the peak; fast with 8 and with 4 warps per CTA
+           n^2 / 2; fraction of the peak; every fast prefill kernel variant
   decode   32 sequences x 4k context, one token each: split-K attention plus the
            combine; bytes = the K and V read; fraction of HBM bandwidth; the fast
            kernel at fixed splits and at its automatic one
@@ -33,6 +33,7 @@ import asyncio
 import json
 import statistics
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,8 @@ def gpu_seconds(cp: Any, stream: Any, enqueue: Callable[[], None], reps: int) ->
 
 
 class Section:
-    """Wall and CPU time of one part of the benchmark."""
+    """Wall and CPU time of one part of the benchmark; an error in it is printed and
+    recorded, and the benchmark goes on with the next part."""
 
     def __init__(self, name: str, out: dict[str, Any]) -> None:
         self.name, self.out = name, out
@@ -74,10 +76,15 @@ class Section:
         print(f"[{self.name}] ...", flush=True)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
         w, c = time.perf_counter() - self.t, time.process_time() - self.c
         self.out.setdefault("sections", {})[self.name] = {"wall_s": w, "cpu_s": c}
         print(f"[{self.name}] {w:.1f} s wall, {c:.1f} s CPU", flush=True)
+        if exc is not None and isinstance(exc, Exception):
+            traceback.print_exception(exc)
+            self.out.setdefault("errors", {})[self.name] = repr(exc)
+            return True
+        return False
 
 
 def fill_kv(cp: Any, backend: CudaBackend) -> None:
@@ -120,20 +127,21 @@ def gemm_row(cp: Any, exs: dict[str, GpuExecutor], shape: ModelShape, m: int, re
             ex._gemm(xp, w0["wd"], p32, m, shape.hidden, shape.intermediate, 1)
 
         row[kind] = figures(gpu_seconds(cp, ex.stream, layer, reps))
-    bf16 = getattr(cp, "bfloat16", None)
-    row["cupy_matmul"] = None
-    if bf16 is not None:  # contiguous [m, K] views of x, W^T as a transposed view
-        flat = x.reshape(-1)
-        pairs = [(flat[:m * w0[k].shape[1]].reshape(m, w0[k].shape[1]).view(bf16),
-                  w0[k].view(bf16).T) for k in ("wqkv", "wo", "wgu", "wd")]
-        stream = exs["fast"].stream
+    # CuPy's own a @ b for reference: bf16 where this CuPy has it (ml_dtypes), else fp16
+    # (the same cuBLAS tensor-core path and bytes), on fresh arrays of each shape.
+    dt = getattr(cp, "bfloat16", None) or cp.float16
+    pairs = [(cp.random.standard_normal((m, w0[k].shape[1]), dtype=cp.float32).astype(dt),
+              cp.random.standard_normal(w0[k].shape, dtype=cp.float32).astype(dt).T)
+             for k in ("wqkv", "wo", "wgu", "wd")]
+    stream = exs["fast"].stream
 
-        def matmuls() -> None:
-            with stream:
-                for a, w in pairs:
-                    _ = a @ w
+    def matmuls() -> None:
+        with stream:
+            for a, w in pairs:
+                _ = a @ w
 
-        row["cupy_matmul"] = figures(gpu_seconds(cp, stream, matmuls, reps))
+    row["cupy_matmul"] = {**figures(gpu_seconds(cp, stream, matmuls, reps)),
+                          "dtype": cp.dtype(dt).name}
     row["ratio"] = row["exact"]["s"] / row["fast"]["s"]
     return row
 
@@ -146,9 +154,8 @@ def bench_gemm(cp: Any, exs: dict[str, GpuExecutor], shape: ModelShape, reps: in
         out.append(row)
         mm = row["cupy_matmul"]
         print(f"  gemm M={m}: fast {row['fast']['of_peak']:.3f}, exact "
-              f"{row['exact']['of_peak']:.3f} of peak"
-              + (f", cupy a@b {mm['of_peak']:.3f}" if mm else ", cupy a@b: no cupy.bfloat16"),
-              flush=True)
+              f"{row['exact']['of_peak']:.3f}, cupy a@b ({mm['dtype']}) {mm['of_peak']:.3f} "
+              "of peak", flush=True)
         cp.get_default_memory_pool().free_all_blocks()
     return out
 
@@ -276,9 +283,9 @@ async def bench_agreement(exs: dict[str, GpuExecutor], shape: ModelShape,
             await ex.run_items(items)
             got.append(np.array([ex.rows[it.request_id][-1] for it in items if it.emit]))
         rows[kind] = got
-    errs = [float(np.linalg.norm(f - e) / np.linalg.norm(e))
-            for f, e in zip(rows["fast"], rows["exact"], strict=True) if len(e)]
-    f, e = np.concatenate(rows["fast"]), np.concatenate(rows["exact"])
+    pairs = [(f, e) for f, e in zip(rows["fast"], rows["exact"], strict=True) if len(e)]
+    errs = [float(np.linalg.norm(f - e) / np.linalg.norm(e)) for f, e in pairs]
+    f, e = np.concatenate([p[0] for p in pairs]), np.concatenate([p[1] for p in pairs])
     agree = float(np.mean(f.argmax(axis=1) == e.argmax(axis=1)))
     print(f"  agreement: max step rel error {max(errs):.2e}, median {statistics.median(errs):.2e};"
           f" greedy tokens equal on {agree:.1%} of {len(f)} positions", flush=True)
@@ -293,7 +300,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     result: dict[str, Any] = {"device": name, "model": args.model, "peak_flops": peak,
                               "hbm_Bps": hbm, "cupy": cp.__version__,
-                              "has_cupy_bfloat16": hasattr(cp, "bfloat16")}
+                              "has_cupy_bfloat16": hasattr(cp, "bfloat16"),
+                              "prefill": args.prefill}
     reps = args.reps
     b, ctx = DECODE
     for bt in args.block_tokens:
@@ -316,19 +324,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fast.use_prefill(args.prefill)
         res["kernels"]["decode"] = fast.kernel_info()["fast_decode"]
         print(f"  kernels (block {bt}): {res['kernels']}", flush=True)
-        if bt == args.block_tokens[0]:
+        want = set(args.sections.split(","))
+        if bt == args.block_tokens[0] and "gemm" in want:
             with Section(f"gemm (block {bt})", result):
                 res["gemm"] = bench_gemm(cp, exs, shape, reps, peak,
                                          GEMM_ROWS[::2] if args.quick else GEMM_ROWS)
-        with Section(f"prefill (block {bt})", result):
-            res["prefill"] = bench_prefill(cp, exs, shape, reps, peak,
-                                           PREFILL_N[1::2] if args.quick else PREFILL_N)
-        with Section(f"decode (block {bt})", result):
-            res["decode"] = bench_decode(cp, exs, shape, reps, hbm, dec_first)
-        if bt == args.block_tokens[0]:
+        if "prefill" in want:
+            with Section(f"prefill (block {bt})", result):
+                res["prefill"] = bench_prefill(cp, exs, shape, reps, peak,
+                                               PREFILL_N[1::2] if args.quick else PREFILL_N)
+        if "decode" in want:
+            with Section(f"decode (block {bt})", result):
+                res["decode"] = bench_decode(cp, exs, shape, reps, hbm, dec_first)
+        if bt == args.block_tokens[0] and "steps" in want:
             with Section(f"steps (block {bt})", result):
                 res["steps"] = asyncio.run(bench_steps(exs, shape, max(2, reps // 2),
                                                        dec_first))
+        if bt == args.block_tokens[0] and "agree" in want:
             fill_kv(cp, backend)
             with Section(f"agreement (block {bt})", result):
                 res["agreement"] = asyncio.run(bench_agreement(exs, shape, 0))
@@ -344,48 +356,52 @@ def report(r: dict[str, Any], bts: list[int]) -> str:
              f"TFLOP/s dense bf16, HBM {r['hbm_Bps'] / 1e12:.2f} TB/s; cupy {r['cupy']}", ""]
     first = r[f"block_{bts[0]}"]
     lines += ["Weight GEMMs (one layer's four), fraction of peak (TFLOP/s):", "",
-              "| rows | fast (cuBLAS gemmEx) | exact (compute.cu) | cupy a @ b (bf16) | "
-              "fast / exact speed |", "|---|---|---|---|---|"]
+              "| rows | fast (cuBLAS gemmEx, bf16) | exact (compute.cu) | cupy a @ b "
+              "(reference) | fast / exact speed |", "|---|---|---|---|---|"]
     for g in first.get("gemm", []):
         mm = g["cupy_matmul"]
         lines.append(f"| {g['rows']} | {g['fast']['of_peak']:.3f} ({g['fast']['tflops']:.0f}) | "
                      f"{g['exact']['of_peak']:.3f} ({g['exact']['tflops']:.0f}) | "
-                     + (f"{mm['of_peak']:.3f} ({mm['tflops']:.0f})" if mm else "n/a")
-                     + f" | {g['ratio']:.2f}x |")
+                     f"{mm['of_peak']:.3f} ({mm['tflops']:.0f}, {mm['dtype']}) | "
+                     f"{g['ratio']:.2f}x |")
     for bt in bts:
         res = r[f"block_{bt}"]
         cols = [f"fast {v}" for v in PREFILL_VARIANTS] + ["exact"]
-        lines += ["", f"Prefill attention, causal, one prompt, {bt}-token blocks, fraction of "
-                  "peak (TFLOP/s); fast kernels named warps/m-tiles a warp/keys a tile:", "",
-                  "| tokens | " + " | ".join(cols) + " | default fast / exact speed |",
-                  "|---" * (len(cols) + 2) + "|"]
-        for p in res["prefill"]:
-            lines.append(f"| {p['tokens']} | " + " | ".join(
-                f"{p[c]['of_peak']:.3f} ({p[c]['tflops']:.0f})" for c in cols)
-                + f" | {p['ratio']:.2f}x |")
-        d = res["decode"]
-        lines += ["", f"Decode attention, {d['sequences']} x {d['context']} context, {bt}-token "
-                  f"blocks ({d['bytes'] / 2**20:.0f} MiB of K+V), fraction of HBM bandwidth:", "",
-                  "| executor | split (keys) | splits/seq | time us | TB/s | of HBM |",
-                  "|---|---|---|---|---|---|"]
-        rows = [("fast", "auto", d["fast"]), ("exact", "1024", d["exact"])]
-        rows += [("fast", str(s), v) for s, v in d["fast_by_split"].items()]
-        for kind, split, v in rows:
-            lines.append(f"| {kind} | {split} | {v['splits_per_seq']} | {v['s'] * 1e6:.0f} | "
-                         f"{v['Bps'] / 1e12:.2f} | {v['of_hbm']:.3f} |")
+        if "prefill" in res:
+            lines += ["", f"Prefill attention, causal, one prompt, {bt}-token blocks, fraction "
+                      "of peak (TFLOP/s); fast kernels named warps/m-tiles a warp/keys a tile:",
+                      "", "| tokens | " + " | ".join(cols) + " | default fast / exact speed |",
+                      "|---" * (len(cols) + 2) + "|"]
+            for p in res["prefill"]:
+                lines.append(f"| {p['tokens']} | " + " | ".join(
+                    f"{p[c]['of_peak']:.3f} ({p[c]['tflops']:.0f})" for c in cols)
+                    + f" | {p['ratio']:.2f}x |")
+        d = res.get("decode")
+        if d is not None:
+            lines += ["", f"Decode attention, {d['sequences']} x {d['context']} context, {bt}-"
+                      f"token blocks ({d['bytes'] / 2**20:.0f} MiB of K+V), fraction of HBM "
+                      "bandwidth:", "",
+                      "| executor | split (keys) | splits/seq | time us | TB/s | of HBM |",
+                      "|---|---|---|---|---|---|"]
+            rows = [("fast", "auto", d["fast"]), ("exact", "1024", d["exact"])]
+            rows += [("fast", str(sp), v) for sp, v in d["fast_by_split"].items()]
+            for kind, split, v in rows:
+                lines.append(f"| {kind} | {split} | {v['splits_per_seq']} | {v['s'] * 1e6:.0f} | "
+                             f"{v['Bps'] / 1e12:.2f} | {v['of_hbm']:.3f} |")
         if "steps" in res:
             lines += ["", "Whole steps of the model (GPU time):", "",
                       "| step | fast ms | exact ms | speed-up |", "|---|---|---|---|"]
-            for s in res["steps"]:
-                lines.append(f"| {s['step']} | {s['fast']['gpu_s'] * 1e3:.2f} | "
-                             f"{s['exact']['gpu_s'] * 1e3:.2f} | {s['ratio']:.2f}x |")
+            for st in res["steps"]:
+                lines.append(f"| {st['step']} | {st['fast']['gpu_s'] * 1e3:.2f} | "
+                             f"{st['exact']['gpu_s'] * 1e3:.2f} | {st['ratio']:.2f}x |")
         if "agreement" in res:
             a = res["agreement"]
             lines += ["", f"Fast vs exact, same steps: emitted rows' relative error max "
                       f"{a['max_rel_err']:.2e} (median {a['median_rel_err']:.2e}) per step; "
                       f"greedy tokens equal on {a['token_agreement']:.1%} of "
                       f"{a['positions']} positions."]
-    lines += ["", "CPU time beside wall time, per section:", ""]
+    lines += ["", f"fast executor's prefill kernel in the steps and agreement: {r['prefill']}",
+              "", "CPU time beside wall time, per section:", ""]
     for name, v in r["sections"].items():
         lines.append(f"- {name}: {v['wall_s']:.1f} s wall, {v['cpu_s']:.1f} s CPU")
     return "\n".join(lines)
@@ -401,17 +417,23 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
     ap.add_argument("--prefill", default=DEFAULT_PREFILL, choices=list(PREFILL_VARIANTS),
                     help="the fast executor's prefill kernel in the steps and agreement")
+    ap.add_argument("--sections", default="gemm,prefill,decode,steps,agree",
+                    help="comma-separated parts to run")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="also write the tables here")
     args = ap.parse_args()
     t0, c0 = time.perf_counter(), time.process_time()
     r = run(args)
     r["wall_s"], r["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
-    text = report(r, args.block_tokens)
-    print("\n" + text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=1, default=str)
+    try:
+        text = report(r, args.block_tokens)
+    except Exception:  # a section failed: the JSON has what was measured
+        traceback.print_exc()
+        text = json.dumps(r, indent=1, default=str)
+    print("\n" + text)
     if args.md:
         with open(args.md, "w") as f:
             f.write(text + "\n")

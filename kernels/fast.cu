@@ -107,6 +107,41 @@ __device__ __forceinline__ void load_kv(u16* Ks, u16* Vs, const u16* __restrict_
   }
 }
 
+// load_kv with one division per tile instead of one per chunk: a thread's chunks are keys
+// kb, kb + RS, kb + 2 RS... (RS = THREADS / (HD / 8)) of one column, so it walks the block
+// table from kb's (block, offset). Keys past `last` read last's slot, zero-filled.
+template <int HD, int BN, int THREADS>
+__device__ __forceinline__ void load_kv_walk(u16* Ks, u16* Vs, const u16* __restrict__ kc,
+                                             const u16* __restrict__ vc,
+                                             const int* __restrict__ table, const int k0,
+                                             const int last, const int bt,
+                                             const i64 block_stride, const int kv_dim,
+                                             const int kvh) {
+  constexpr int kCh = HD / 8, LDS = HD + 8, RS = THREADS / kCh;
+  static_assert(THREADS % kCh == 0 && (BN * kCh) % THREADS == 0, "whole rows per pass");
+  const int ch = threadIdx.x % kCh;
+  int r = threadIdx.x / kCh;
+  int key = k0 + r;
+  int blk = key / bt, off = key - blk * bt;
+  const int lblk = last / bt, loff = last - lblk * bt;
+  const i64 col = static_cast<i64>(kvh) * HD + ch * 8;
+#pragma unroll
+  for (int i = 0; i < BN * kCh / THREADS; ++i) {
+    const bool ok = key <= last;
+    const i64 src = static_cast<i64>(table[ok ? blk : lblk]) * block_stride +
+                    static_cast<i64>(ok ? off : loff) * kv_dim + col;
+    cp_async16(Ks + r * LDS + ch * 8, kc + src, ok ? 16 : 0);
+    cp_async16(Vs + r * LDS + ch * 8, vc + src, ok ? 16 : 0);
+    r += RS;
+    key += RS;
+    off += RS;
+    while (off >= bt) {
+      off -= bt;
+      ++blk;
+    }
+  }
+}
+
 // Q fragments (mma A operand) of rows lo / hi, columns [col, col + HD).
 template <int HD>
 __device__ __forceinline__ void load_q(u32 (&qf)[HD / 16][4], const u16* __restrict__ lo,
@@ -153,7 +188,7 @@ __device__ __forceinline__ void qk(float (&s)[MT][NT][4], const u32 (&qf)[MT][HD
 
 // Online softmax on S (raw scores, masked ones -inf): updates m (scaled max), l (this
 // lane's partial sums), rescales o, and turns S into P.
-template <int HD, int NT>
+template <int HD, int NT, bool LAZY = false>
 __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const float scale,
                                              float (&m)[2], float (&l)[2],
                                              float (&o)[HD / 8][4]) {
@@ -184,6 +219,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[NT][4], const float scal
   }
   l[0] = l[0] * alpha[0] + sum[0];
   l[1] = l[1] * alpha[1] + sum[1];
+  // LAZY: skip rescaling O when no row of the warp got a new max (alpha = 1 exactly);
+  // callers run this warp-uniformly.
+  if (LAZY && !__any_sync(0xffffffffu, (alpha[0] != 1.f) | (alpha[1] != 1.f))) return;
 #pragma unroll
   for (int dn = 0; dn < HD / 8; ++dn) {
     o[dn][0] *= alpha[0];
@@ -237,8 +275,9 @@ __device__ __forceinline__ void zero_state(float (&m)[2], float (&l)[2], float (
 // ------------------------------------------------------------------------------ prefill
 // CTA (query head, work item); work: int4 per item (row0, nrows <= 16 MT W, qpos0, table
 // offset). Warp w owns rows 16 MT w .. 16 MT (w + 1) - 1 as MT m-tiles. Shared: K and V,
-// 2 stages of [BN][HD + 8] each.
-template <int HD, int W, int BN, int MT>
+// ST stages of [BN][HD + 8] each (ST - 1 tiles in flight while one is computed). OPT: the
+// walking loader and lazy rescaling.
+template <int HD, int W, int BN, int MT, int ST, bool OPT>
 __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                         const u64 vc_addr, const i64 block_stride, const int bt,
                                         const int kv_heads, const int group, const u64 work_addr,
@@ -246,7 +285,7 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
                                         const float scale) {
   constexpr int LDS = HD + 8, NT = BN / 8, TILE = BN * LDS, WR = 16 * MT;
   u16* Ks = reinterpret_cast<u16*>(kvflow_fast_smem);
-  u16* Vs = Ks + 2 * TILE;
+  u16* Vs = Ks + ST * TILE;
   const int head = blockIdx.x;
   const int* wk = reinterpret_cast<const int*>(work_addr) + 4 * (gridDim.y - 1 - blockIdx.y);
   const int row0 = wk[0], nrows = wk[1], qpos0 = wk[2];
@@ -275,21 +314,31 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) zero_state<HD>(m[mt], l[mt], o[mt]);
   const int ntiles = last / BN + 1;
-  load_kv<HD, BN, 32 * W>(Ks, Vs, kc, vc, table, 0, last, bt, block_stride, kv_dim, kvh);
-  cp_async_commit();
-  for (int j = 0; j < ntiles; ++j) {
-    cp_async_wait<0>();
-    __syncthreads();  // tile j landed for all; everyone is done with tile j - 1's stage
-    if (j + 1 < ntiles) {
-      const int st = (j + 1) & 1;
-      load_kv<HD, BN, 32 * W>(Ks + st * TILE, Vs + st * TILE, kc, vc, table, (j + 1) * BN, last,
-                              bt, block_stride, kv_dim, kvh);
+  auto load = [&](int stage, int k0) {
+    if (OPT) {
+      load_kv_walk<HD, BN, 32 * W>(Ks + stage * TILE, Vs + stage * TILE, kc, vc, table, k0, last,
+                                   bt, block_stride, kv_dim, kvh);
+    } else {
+      load_kv<HD, BN, 32 * W>(Ks + stage * TILE, Vs + stage * TILE, kc, vc, table, k0, last, bt,
+                              block_stride, kv_dim, kvh);
     }
+  };
+#pragma unroll
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < ntiles) load(i, i * BN);
+    cp_async_commit();
+  }
+  for (int j = 0; j < ntiles; ++j) {
+    cp_async_wait<ST - 2>();
+    __syncthreads();  // tile j landed for all; everyone is done with tile j - 1's stage
+    const int nj = j + ST - 1;
+    if (nj < ntiles) load(nj % ST, nj * BN);
     cp_async_commit();
     const int k0 = j * BN;
+    const int cur = (j % ST) * TILE;
     if (active && k0 <= w_last) {
       float s[MT][NT][4];
-      qk<HD, NT, MT>(s, qf, Ks + (j & 1) * TILE, 0);
+      qk<HD, NT, MT>(s, qf, Ks + cur, 0);
       if (k0 + BN - 1 > w_first) {  // the tile crosses this warp's diagonal: mask
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -300,8 +349,10 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
               if (k0 + nt * 8 + 2 * t + (e & 1) > pos[mt][e >> 1]) s[mt][nt][e] = neg_inf();
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) softmax_step<HD, NT>(s[mt], scale, m[mt], l[mt], o[mt]);
-      pv<HD, NT, MT>(o, s, Vs + (j & 1) * TILE, 0);
+      for (int mt = 0; mt < MT; ++mt) {
+        softmax_step<HD, NT, OPT>(s[mt], scale, m[mt], l[mt], o[mt]);
+      }
+      pv<HD, NT, MT>(o, s, Vs + cur, 0);
     }
   }
   cp_async_wait<0>();
@@ -442,14 +493,14 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
 }  // namespace
 
 // ---------------------------------------------------------------------- entry points
-#define KVFLOW_FAST_PREFILL(HD, W, BN, MT)                                                       \
+#define KVFLOW_FAST_PREFILL(HD, W, BN, MT, ST, OPT)                                              \
   extern "C" __global__ void __launch_bounds__(32 * W)                                           \
-      kvflow_fast_prefill_hd##HD##_w##W##_m##MT##_n##BN(                                         \
+      kvflow_fast_prefill_hd##HD##_w##W##_m##MT##_n##BN##_s##ST##_o##OPT(                        \
           const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,       \
           const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,   \
           const u64 out, const float scale) {                                                    \
-    prefill<HD, W, BN, MT>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables,     \
-                           out, scale);                                                          \
+    prefill<HD, W, BN, MT, ST, OPT>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work,    \
+                                    tables, out, scale);                                         \
   }
 
 #define KVFLOW_FAST_DECODE(HD, W, ST)                                                            \
@@ -461,14 +512,17 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
                       part_ml, scale);                                                           \
   }
 
-// (HD, warps, keys a tile, m-tiles a warp): kernels/fast.py's PREFILL_VARIANTS.
-KVFLOW_FAST_PREFILL(64, 8, 64, 1)
-KVFLOW_FAST_PREFILL(64, 4, 64, 1)
-KVFLOW_FAST_PREFILL(64, 4, 32, 2)
-KVFLOW_FAST_PREFILL(64, 4, 64, 2)
-KVFLOW_FAST_PREFILL(128, 8, 64, 1)
-KVFLOW_FAST_PREFILL(128, 4, 64, 1)
-KVFLOW_FAST_PREFILL(128, 4, 32, 2)
-KVFLOW_FAST_PREFILL(128, 4, 64, 2)
+// (HD, warps, keys a tile, m-tiles a warp, stages, opt): kernels/fast.py's PREFILL_VARIANTS.
+#define KVFLOW_FAST_PREFILL_ALL(HD)          \
+  KVFLOW_FAST_PREFILL(HD, 8, 64, 1, 2, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 64, 1, 2, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 2, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 64, 2, 2, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 3, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 8, 32, 2, 2, 0)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 2, 1)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 3, 1)
+KVFLOW_FAST_PREFILL_ALL(64)
+KVFLOW_FAST_PREFILL_ALL(128)
 KVFLOW_FAST_DECODE(64, 4, 3)
 KVFLOW_FAST_DECODE(128, 4, 3)

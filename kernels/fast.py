@@ -34,7 +34,7 @@ import numpy as np
 
 from kernels._cuda import load_module
 from kernels.backend import CudaBackend
-from kernels.compute import _LOG2E, GpuExecutor
+from kernels.compute import _LOG2E, GpuExecutor, _env_choice
 from kernels.model import DECODE_SPLIT, TILE, StepItem, StepPlan, build_step
 from kvflow.errors import ConfigError
 
@@ -43,12 +43,15 @@ EXECUTORS = ("fast", "exact")
 DEFAULT_EXECUTOR = "fast"
 
 #: Prefill kernels of fast.cu by name: (warps a CTA, m-tiles of 16 query rows a warp, keys a
-#: K/V tile). A work item is 16 * warps * m-tiles rows. More rows a warp share each K/V
-#: fragment it reads from shared memory (less traffic per MMA) for more registers.
-PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64), "w4m1n64": (4, 1, 64), "w4m2n32": (4, 2, 32),
-                    "w4m2n64": (4, 2, 64)}
-DEFAULT_PREFILL = "w8m1n64"
-_PREFILL_STAGES = 2
+#: K/V tile, K/V tiles in shared memory, opt). A work item is 16 * warps * m-tiles rows.
+#: More rows a warp share each K/V fragment it reads from shared memory (less traffic per
+#: MMA) for more registers; opt: one block-table division per tile instead of per chunk, O
+#: rescaled only when a row's max moved. Measured: benchmarks/results/gpu_executor.md.
+PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
+                    "w4m2n32": (4, 2, 32, 2, 0), "w4m2n64": (4, 2, 64, 2, 0),
+                    "w4m2n32s3": (4, 2, 32, 3, 0), "w8m2n32": (8, 2, 32, 2, 0),
+                    "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1)}
+DEFAULT_PREFILL = "w4m2n32"
 #: Keys per K/V tile of the decode kernel (16 per warp).
 _BN = 64
 _DECODE_WARPS, _DECODE_STAGES = 4, 3
@@ -84,8 +87,12 @@ def auto_decode_split(contexts: Sequence[int], kv_heads: int, sms: int) -> int:
 class CublasGemm:
     """Row-major ``C[M,N] (+)= A[M,K] . W[N,K]^T`` in bf16 with fp32 accumulation, on one stream.
 
-    Its own cuBLAS handle, bound to the executor's compute stream once, so
-    nothing CuPy does elsewhere moves it to another stream.
+    Its own cuBLAS handle. CuPy's ``gemmEx`` binds the handle to CuPy's
+    *current* stream on every call, so each call runs with the compute stream
+    made current: otherwise the GEMMs go to the legacy default stream, which
+    the (non-blocking) compute stream does not wait for, and race with the
+    attention kernels and the per-layer waits (seen on an H100: wrong rows,
+    and GEMM "times" of 37x the peak from events that never saw them).
     """
 
     def __init__(self, stream: Any) -> None:
@@ -93,6 +100,7 @@ class CublasGemm:
         from cupy_backends.cuda.libs import cublas
 
         self._cublas = cublas
+        self._stream = stream
         self.handle = cublas.create()
         cublas.setStream(self.handle, stream.ptr)
         self._finalizer = weakref.finalize(self, cublas.destroy, self.handle)
@@ -107,10 +115,11 @@ class CublasGemm:
         """mode 0: C is bf16, overwritten; mode 1: C is fp32, added to."""
         # Column-major view: C^T [N, M] = W [K, N]^T . A^T [K, M].
         beta = self._one if mode else self._zero
-        self._cublas.gemmEx(self.handle, *self._args, n, m, k, self._one.ctypes.data,
-                            int(w), self._bf16, k, int(a), self._bf16, k, beta.ctypes.data,
-                            int(c), self._f32 if mode else self._bf16, n, self._compute,
-                            self._algo)
+        with self._stream:
+            self._cublas.gemmEx(self.handle, *self._args, n, m, k, self._one.ctypes.data,
+                                int(w), self._bf16, k, int(a), self._bf16, k, beta.ctypes.data,
+                                int(c), self._f32 if mode else self._bf16, n, self._compute,
+                                self._algo)
 
     def close(self) -> None:
         self._finalizer()
@@ -119,8 +128,9 @@ class CublasGemm:
 class FastExecutor(GpuExecutor):
     """``GpuExecutor`` with cuBLAS GEMMs and FlashAttention-style paged attention.
 
-    ``prefill``: which prefill kernel (``PREFILL_VARIANTS``; ``use_prefill``
-    changes it). ``decode_split``: keys per decode split; ``None`` sizes the
+    ``prefill``: which prefill kernel (``PREFILL_VARIANTS``; default
+    ``KVFLOW_FAST_PREFILL`` from the environment, else ``DEFAULT_PREFILL``;
+    ``use_prefill`` changes it). ``decode_split``: keys per decode split; ``None`` sizes the
     splits per step so that the step's decode CTAs fill the GPU a few times
     over (long contexts of few sequences get more splits).
     Other arguments as ``GpuExecutor``.
@@ -129,7 +139,7 @@ class FastExecutor(GpuExecutor):
     kind = "fast"
 
     def __init__(self, backend: CudaBackend, *, decode_split: int | None = None,
-                 prefill: str = DEFAULT_PREFILL, **kwargs: Any) -> None:
+                 prefill: str | None = None, **kwargs: Any) -> None:
         if decode_split is not None and (decode_split <= 0 or decode_split % TILE):
             raise ConfigError(f"decode_split must be a positive multiple of {TILE}")
         super().__init__(backend, decode_split=decode_split or DECODE_SPLIT, **kwargs)
@@ -138,7 +148,8 @@ class FastExecutor(GpuExecutor):
         hd = self.shape.head_dim
         with cp.cuda.Device(self.device):
             self._mod = load_module("fast.cu", self.device)
-            self.use_prefill(prefill)
+            self.use_prefill(prefill or _env_choice("KVFLOW_FAST_PREFILL", DEFAULT_PREFILL,
+                                                    tuple(PREFILL_VARIANTS)))
             dec = self._fn["fast_decode"] = self._mod.get_function(
                 f"kvflow_fast_decode_hd{hd}_w{_DECODE_WARPS}")
             self._smem_decode = max(_DECODE_STAGES * 2 * _BN * (hd + 8) * 2,
@@ -153,11 +164,12 @@ class FastExecutor(GpuExecutor):
         if name not in PREFILL_VARIANTS:
             raise ConfigError(f"unknown prefill kernel {name!r}; valid: "
                               f"{', '.join(PREFILL_VARIANTS)}")
-        warps, mtiles, keys = PREFILL_VARIANTS[name]
+        warps, mtiles, keys, stages, opt = PREFILL_VARIANTS[name]
         hd = self.shape.head_dim
         with self._cp.cuda.Device(self.device):
-            fn = self._mod.get_function(f"kvflow_fast_prefill_hd{hd}_w{warps}_m{mtiles}_n{keys}")
-            smem = _PREFILL_STAGES * 2 * keys * (hd + 8) * 2  # K and V, padded rows
+            fn = self._mod.get_function(
+                f"kvflow_fast_prefill_hd{hd}_w{warps}_m{mtiles}_n{keys}_s{stages}_o{opt}")
+            smem = stages * 2 * keys * (hd + 8) * 2  # K and V, padded rows
             fn.max_dynamic_shared_size_bytes = smem
         self._fn["fast_prefill"], self._smem_prefill = fn, smem
         self.prefill, self.prefill_threads = name, 32 * warps

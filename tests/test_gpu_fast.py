@@ -283,3 +283,41 @@ def test_fast_engine_run_with_swaps_completes() -> None:
     assert engine.stats.finished == 24 and manager.stats.hits[Tier.HOST] > 0
     assert runtime.metrics.ops[OpKind.SWAP_IN.value] > 0
     assert all(len(v) == 6 for v in ex.outputs.values())
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [0, 1])
+def test_fast_gemm_runs_on_the_compute_stream(mode: int) -> None:
+    """The cuBLAS GEMM is ordered on the executor's stream: held behind a spin there, its
+    output is untouched until the spin ends, then right. (CuPy's gemmEx binds the handle
+    to CuPy's current stream on each call; without the compute stream made current the
+    GEMM ran at once on the legacy default stream, racing the attention kernels.)"""
+    import time
+
+    import cupy as cp
+
+    from kernels.backend import CudaBackend
+    from kernels.compute import to_bf16
+    from kernels.testing import spin
+
+    ex = make_executor("fast", CudaBackend(SPEC, 4, 1), seed=3, max_tokens=16)
+    w = ex.weights[0]["wgu"]
+    n, k = w.shape
+    a = to_bf16(cp.random.standard_normal((40, k), dtype=cp.float32))
+    out = cp.zeros((40, n), cp.float32 if mode else cp.uint16)
+    side = cp.cuda.Stream(non_blocking=True)
+    cp.cuda.runtime.deviceSynchronize()
+    spin(ex.stream, 0.3)
+    ex._gemm(np.uint64(a.data.ptr), w, np.uint64(out.data.ptr), 40, n, k, mode)
+    time.sleep(0.05)
+    early = cp.asnumpy(out, stream=side)  # not ordered after the compute stream
+    side.synchronize()
+    assert not early.any(), "the GEMM ran before the compute stream reached it"
+    ex.stream.synchronize()
+    got = out.get()
+    if mode == 0:
+        got = (got.astype(np.uint32) << 16).view(np.float32)
+    ref = ((a.get().astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+           @ (w.get().astype(np.uint32) << 16).view(np.float32).astype(np.float64).T)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-5 if mode else 5e-3)
