@@ -5,12 +5,12 @@
 // not bit for bit. They exist to measure kvflow's loads against compute as fast as a
 // serving engine's (issue 22); the weight GEMMs of that executor are cuBLAS.
 //
-// Prefill (FlashAttention-2 style): a CTA per (query tile of 16 W rows of one work item,
-// query head); warp w owns rows 16w..16w+15 with its Q fragments in registers. Keys come
-// in BN-key tiles, each key found through the request's block table (a tile may span
-// blocks), K and V copied to shared memory with cp.async, double-buffered so tile j+1
-// streams in while tile j is computed; online softmax in the log2 domain (the scale
-// carries log2 e). Tiles past a warp's last row are skipped, the mask is applied only on
+// Prefill (FlashAttention-2 style): a CTA per (work item of 16 MT W query rows, query
+// head); warp w owns MT m-tiles of 16 rows with their Q fragments in registers (each K/V
+// fragment read from shared memory serves all of them). Keys come in BN-key tiles, each
+// key found through the request's block table (a tile may span blocks), K and V copied
+// to shared memory with cp.async, ST stages so later tiles stream in while one is
+// computed; online softmax in the log2 domain (the scale carries log2 e). Tiles past a warp's last row are skipped, the mask is applied only on
 // tiles that cross the warp's diagonal. Work items run longest first (the grid's y runs
 // backwards over them) so the long causal rows do not make the tail.
 //
