@@ -10,9 +10,10 @@
 // fragment read from shared memory serves all of them). Keys come in BN-key tiles, each
 // key found through the request's block table (a tile may span blocks), K and V copied
 // to shared memory with cp.async, ST stages so later tiles stream in while one is
-// computed; online softmax in the log2 domain (the scale carries log2 e). Tiles past a warp's last row are skipped, the mask is applied only on
-// tiles that cross the warp's diagonal. Work items run longest first (the grid's y runs
-// backwards over them) so the long causal rows do not make the tail.
+// computed; online softmax in the log2 domain (the scale carries log2 e). Tiles past a
+// warp's last row are skipped, the mask is applied only on tiles that cross the warp's
+// diagonal. Work items run longest first (the grid's y runs backwards over them) so the
+// long causal rows do not make the tail.
 //
 // Decode (flash-decoding): a CTA per (split of one sequence's keys, kv head), the group's
 // query heads as the mma's rows; W warps share each BN-key tile, warp w taking keys
