@@ -39,6 +39,11 @@ class Backend(str, Enum):
     cuda = "cuda"
 
 
+class Executor(str, Enum):
+    fast = "fast"
+    exact = "exact"
+
+
 def _fmt_s(summary: dict[str, float] | None, key: str) -> str:
     if not summary:
         return "-"
@@ -213,6 +218,10 @@ def replay(
         help="TTFT target in seconds: the report gives SLO attainment and goodput.")] = None,
     slo_tpot: Annotated[float | None, typer.Option(
         help="TPOT target in seconds (with or without --slo-ttft).")] = None,
+    executor: Annotated[Executor, typer.Option(
+        help="--backend cuda's compute: fast (cuBLAS GEMMs, FlashAttention-style paged "
+             "attention) or exact (batch-invariant kernels, bit-identical outputs whatever "
+             "the batching; 2-3.7x slower a step).")] = Executor.fast,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -234,7 +243,8 @@ def replay(
             skip_bad=skip_bad, backend=backend.value,
             instances=_instances(instances, mode.value, backend.value), router=router,
             router_view=router_view, rate_scale=rate_scale, duration_s=duration, rate=rate,
-            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+            executor=executor.value if backend is Backend.cuda else None)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
                       transient=True) as bar:

@@ -8,7 +8,7 @@ blocks: the step is attention over 8k keys for few queries, latency-bound).
 Measured with CUDA events (median of ``--reps`` after a warm-up):
 
   transfer  the swap-in alone (``CudaBackend``: one launch + event per layer)
-  compute   the step alone, the prefix already on the device (``GpuExecutor``)
+  compute   the step alone, the prefix already on the device (``--executor``: fast or exact)
   together  the swap-in submitted, then at once the step with the swap-in as
             its wait: layer i of the step waits on the GPU for layer i of the
             load only (``wait_layer``); from the load's first event to the
@@ -41,7 +41,8 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.backend import HIGHEST_PRIORITY, CudaBackend
-from kernels.compute import BackendTask, GpuExecutor
+from kernels.compute import BackendTask
+from kernels.fast import DEFAULT_EXECUTOR, EXECUTORS, make_executor
 from kernels.model import StepItem, prompt_tokens
 from kvflow.layout import preset
 from kvflow.manager import OpKind, TransferOp
@@ -50,7 +51,8 @@ from kvflow.radix import Tier
 
 async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: int,
               priority: int | None, sizes: list[int] | None,
-              dma: str = "auto", eager_layers: int | None = 4) -> dict[str, Any]:
+              dma: str = "auto", eager_layers: int | None = 4,
+              executor: str = DEFAULT_EXECUTOR) -> dict[str, Any]:
     """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in."""
     cp = cupy_module()
     spec = preset(model, block_tokens=block_tokens)
@@ -59,7 +61,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     k = requests * blocks
     backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
                           dma=dma, eager_layers=eager_layers)
-    ex = GpuExecutor(backend, seed=0, max_tokens=requests * extra * bt)
+    ex = make_executor(executor, backend, seed=0, max_tokens=requests * extra * bt)
     await ex.warm_up(block=k + requests * extra)
     keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
     tables = [np.array([*range(r * blocks, (r + 1) * blocks),
@@ -171,6 +173,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
                      "stalled_on_load_s": stalled})
     backend.synchronize()
     return {"model": spec.name, "layers": spec.num_layers, "block_tokens": bt,
+            "executor": executor,
             "requests": requests, "blocks_per_request": blocks, "cached_blocks": k,
             "bytes": k * spec.bytes_per_block, "stream_priority": priority, "rows": rows,
             "copy_path": "batched memcpy" if backend.use_dma else "swap kernel"}
@@ -185,6 +188,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the batch case only")
     ap.add_argument("--copy-engine", default="auto", choices=("auto", "never", "always"),
                     help="how loads move: by piece size (auto), swap kernel, batched memcpy")
+    ap.add_argument("--executor", default=DEFAULT_EXECUTOR, choices=EXECUTORS,
+                    help="the step's compute: fast (cuBLAS + fast.cu) or exact (compute.cu)")
     ap.add_argument("--eager-layers", type=int, default=4,
                     help="layers of a load CudaBackend enqueues at submit (0: all)")
     args = ap.parse_args()
@@ -199,15 +204,15 @@ def main() -> None:
         sizes = None
         for prio in prios:
             r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
-                                sizes, args.copy_engine, eager))
+                                sizes, args.copy_engine, eager, args.executor))
             sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for each priority
             r["case"] = label
             results.append(r)
     print(f"\n{results[0]['model']} ({results[0]['layers']} layers, {args.block_tokens}-token "
           "blocks): one swap-in of the cached blocks, then at once the step computing each "
           "request's next tokens")
-    print(f"copy path: {results[0].get('copy_path')}; 'compute beside load': compute's GPU "
-          "time while the same load runs, not waited on")
+    print(f"copy path: {results[0].get('copy_path')}; executor: {args.executor}; 'compute "
+          "beside load': compute's GPU time while the same load runs, not waited on")
     print("| case | copy streams | new tokens per request | transfer ms | compute ms | "
           "together ms | overlap efficiency | CPU enqueue ms | compute beside load ms | "
           "step starts after load ms | CPU submit of load ms | stalled on load ms |")

@@ -23,7 +23,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,9 @@ class GpuExecutor(PagedExecutorBase):
     ``KVFLOW_GEMM_SKINNY`` from the environment, else 32 / on.
     Call from the event loop's thread.
     """
+
+    #: Name of this executor (``--executor``; ``kernels.fast.EXECUTORS``).
+    kind = "exact"
 
     def __init__(self, backend: CudaBackend, *, seed: int = 0, max_tokens: int = 1024,
                  decode_split: int = DECODE_SPLIT, record_rows: bool = False,
@@ -200,7 +203,7 @@ class GpuExecutor(PagedExecutorBase):
         results are then dropped.
         """
         t0 = time.perf_counter()
-        plan = build_step(items, self.shape, self.decode_split)
+        plan = self._build(items)
         if plan.num_tokens == 0:
             return plan
         pending = []
@@ -245,56 +248,50 @@ class GpuExecutor(PagedExecutorBase):
         return plan
 
     # ------------------------------------------------------------------ kernels
-    def _enqueue(self, plan: StepPlan, pending: Sequence[Any]) -> None:
-        cp, s = self._cp, self.shape
-        T, E = plan.num_tokens, len(plan.emit_ids)
-        P = max(plan.num_partials, 1)
+    def _build(self, items: Sequence[StepItem]) -> StepPlan:
+        """The step's metadata as this executor's kernels read it."""
+        return build_step(items, self.shape, self.decode_split)
+
+    def _upload(self, plan: StepPlan) -> Callable[[str], np.uint64]:
+        """Copy the step's metadata to the device (on the stream); the address of each array."""
+        cp = self._cp
         size = packed_size(plan)
-        self._ensure(T, P, size, max(E, 1))
+        self._ensure(plan.num_tokens, max(plan.num_partials, 1), size,
+                     max(len(plan.emit_ids), 1))
         _, off = pack_step(plan, self._meta_host)
-        stream = self.stream
         cp.cuda.runtime.memcpyAsync(int(self._meta_dev.data.ptr), int(self._meta_mem.ptr), size,
-                                    _H2D, stream.ptr)
+                                    _H2D, self.stream.ptr)
         base = int(self._meta_dev.data.ptr)
 
         def meta(name: str) -> np.uint64:
             return np.uint64(base + off[name])
 
+        return meta
+
+    def _enqueue(self, plan: StepPlan, pending: Sequence[Any]) -> None:
+        s = self.shape
+        T, E = plan.num_tokens, len(plan.emit_ids)
+        meta = self._upload(plan)
+        stream = self.stream
         u64, i32 = np.uint64, np.int32
-        h, x, qkv, o = (u64(a.data.ptr) for a in (self._h, self._x, self._qkv, self._o))
-        gu, act = u64(self._gu.data.ptr), u64(self._act.data.ptr)
+        h, x, qkv = (u64(a.data.ptr) for a in (self._h, self._x, self._qkv))
+        o, gu, act = (u64(a.data.ptr) for a in (self._o, self._gu, self._act))
         fn = self._fn
         self._ev_start.record(stream)
         fn["kvflow_embed"]((T,), (256,), (meta("tokens"), meta("positions"), h, i32(s.hidden)),
                            stream=stream)
-        wp, wd, nd = len(plan.prefill_work), len(plan.decode_work), len(plan.combine)
-        scale = np.float32(s.softmax_scale * _LOG2E)
-        common = (i32(s.qkv_dim),)
-        stride = np.int64(s.block_stride)
         for layer in range(s.num_layers):
             w = self.weights[layer]
-            kc, vc = u64(self._kc[layer]), u64(self._vc[layer])
             self._rmsnorm(h, x, T)
             self._gemm(x, w["wqkv"], qkv, T, s.qkv_dim, s.hidden, 0)
             for t in pending:  # layer i of every load this step reads (or overwrites) lands first
                 self.backend.wait_layer(stream, t.handle, layer)
             self.backend.pump()  # other ops' deferred layers keep pace (``eager_layers``)
-            fn["kvflow_kv_write"]((T,), (128,), (qkv, *common, i32(s.q_dim), i32(s.kv_dim),
-                                                 meta("slots"), kc, vc), stream=stream)
-            attn = (qkv, *common, kc, vc, stride, i32(s.block_tokens), i32(s.kv_heads),
-                    i32(s.group))
-            if wp:
-                fn["prefill"]((wp, s.kv_heads), (32 * s.group,),
-                              (*attn, meta("prefill_work"), meta("tables"), o, scale),
-                              stream=stream)
-            if wd:
-                po, pml = u64(self._part_o.data.ptr), u64(self._part_ml.data.ptr)
-                fn["decode"]((wd, s.kv_heads), (32,),
-                             (*attn, meta("decode_work"), meta("tables"), po, pml, scale),
-                             stream=stream)
-                fn["kvflow_attn_combine"]((nd, s.heads), (32,),
-                                          (meta("combine"), po, pml, o, i32(s.heads),
-                                           i32(s.head_dim)), stream=stream)
+            fn["kvflow_kv_write"]((T,), (128,), (qkv, i32(s.qkv_dim), i32(s.q_dim),
+                                                 i32(s.kv_dim), meta("slots"),
+                                                 u64(self._kc[layer]), u64(self._vc[layer])),
+                                  stream=stream)
+            self._attend(plan, meta, layer)
             self._gemm(o, w["wo"], h, T, s.hidden, s.q_dim, 1)
             self._rmsnorm(h, x, T)
             self._gemm(x, w["wgu"], gu, T, 2 * s.intermediate, s.hidden, 0)
@@ -307,6 +304,29 @@ class GpuExecutor(PagedExecutorBase):
             fn["kvflow_final"]((E,), (32,), (h, meta("emit_rows"), i32(s.hidden),
                                              u64(self._out_mem.ptr), rows), stream=stream)
         self._ev_end.record(stream)
+
+    def _attend(self, plan: StepPlan, meta: Callable[[str], np.uint64], layer: int) -> None:
+        """One layer's attention: the step's queries (``_qkv``) over their paged KV -> ``_o``."""
+        s, fn, stream = self.shape, self._fn, self.stream
+        u64, i32 = np.uint64, np.int32
+        wp, wd, nd = len(plan.prefill_work), len(plan.decode_work), len(plan.combine)
+        scale = np.float32(s.softmax_scale * _LOG2E)
+        o = u64(self._o.data.ptr)
+        attn = (u64(self._qkv.data.ptr), i32(s.qkv_dim), u64(self._kc[layer]),
+                u64(self._vc[layer]), np.int64(s.block_stride), i32(s.block_tokens),
+                i32(s.kv_heads), i32(s.group))
+        if wp:
+            fn["prefill"]((wp, s.kv_heads), (32 * s.group,),
+                          (*attn, meta("prefill_work"), meta("tables"), o, scale),
+                          stream=stream)
+        if wd:
+            po, pml = u64(self._part_o.data.ptr), u64(self._part_ml.data.ptr)
+            fn["decode"]((wd, s.kv_heads), (32,),
+                         (*attn, meta("decode_work"), meta("tables"), po, pml, scale),
+                         stream=stream)
+            fn["kvflow_attn_combine"]((nd, s.heads), (32,),
+                                      (meta("combine"), po, pml, o, i32(s.heads),
+                                       i32(s.head_dim)), stream=stream)
 
     def _gemm(self, a: np.uint64, w: Any, c: np.uint64, m: int, n: int, k: int,
               mode: int) -> None:

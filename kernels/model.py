@@ -276,14 +276,18 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def build_step(items: Sequence[StepItem], shape: ModelShape,
-               decode_split: int = DECODE_SPLIT) -> StepPlan:
+               decode_split: int = DECODE_SPLIT, prefill_tile: int = TILE) -> StepPlan:
     """Lay one step out for the kernels; raises ``ValueError`` on an inconsistent item.
 
+    ``prefill_tile``: query rows per prefill work item (the exact kernels take
+    ``TILE``; the fast executor's take a CTA's worth, ``kernels.fast``).
     Vectorised over items (numpy, no per-token Python): it runs on the host
     every step, with one item per running request.
     """
     if decode_split <= 0 or decode_split % TILE:
         raise ValueError(f"decode_split must be a positive multiple of {TILE}")
+    if prefill_tile <= 0 or prefill_tile % TILE:
+        raise ValueError(f"prefill_tile must be a positive multiple of {TILE}")
     bt, kv_dim, stride = shape.block_tokens, shape.kv_dim, shape.block_stride
     items = [it for it in items if len(it.tokens)]
     k = len(items)
@@ -316,12 +320,12 @@ def build_step(items: Sequence[StepItem], shape: ModelShape,
     tab_of_token = np.repeat(toff, lens) + positions // bt
     slots = tables[tab_of_token].astype(np.int64) * stride + (positions % bt) * kv_dim
 
-    p = ~dec  # prefill items: work items of TILE query rows
-    qcount = -(-lens[p] // TILE)
-    q = _ranges(np.zeros(int(p.sum()), dtype=np.int64), qcount) * TILE  # offset in item
+    p = ~dec  # prefill items: work items of prefill_tile query rows
+    qcount = -(-lens[p] // prefill_tile)
+    q = _ranges(np.zeros(int(p.sum()), dtype=np.int64), qcount) * prefill_tile  # offset in item
     prefill_work = np.empty((len(q), 4), dtype=np.int32)
     prefill_work[:, 0] = np.repeat(row0[p], qcount) + q
-    prefill_work[:, 1] = np.minimum(TILE, np.repeat(lens[p], qcount) - q)
+    prefill_work[:, 1] = np.minimum(prefill_tile, np.repeat(lens[p], qcount) - q)
     prefill_work[:, 2] = np.repeat(pos0[p], qcount) + q
     prefill_work[:, 3] = np.repeat(toff[p], qcount)
 

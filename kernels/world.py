@@ -3,8 +3,9 @@
 The same scheduler, runtime, engine and replay driver (``kvflow.replay``) as
 the simulated world, on a real event loop (uvloop): arrivals at their trace
 times in wall-clock time, ``CudaBackend`` moving real KV between device and
-pinned host memory, and ``GpuExecutor`` computing each step on the GPU behind
-per-layer device-side waits. Times are wall-clock seconds where the
+pinned host memory, and an executor (``kernels.fast.make_executor``: fast by
+default, or the exact one) computing each step on the GPU behind per-layer
+device-side waits. Times are wall-clock seconds where the
 simulator's are virtual, and per-transfer times come from CUDA events around
 each op on its stream, where the simulator takes them from its link model.
 
@@ -203,6 +204,7 @@ class CudaSite:
                                 if isinstance(v, (int, float))},
             "executor_steps": ex.steps,
             "executor_gpu_s": ex.busy_s,
+            "executor": getattr(ex, "kind", None),
             "outputs": sum(len(v) for v in ex.outputs.values()),
             # How late each request reached the engine (timer wake-ups; uvloop's clock
             # counts whole ms): part of every GPU TTFT that the simulator does not see.
@@ -216,16 +218,23 @@ class CudaWorld:
     ``backend_options`` go to ``CudaBackend`` (CTAs, stream priority, ...;
     default: ``env_backend_options()``); ``step_log``, a list, receives the
     executor's per-step records, and ``op_log`` one ``(kind, link, blocks,
-    service_s)`` per completed transfer (calibration fits to both).
+    service_s)`` per completed transfer (calibration fits to both). ``executor``:
+    ``kernels.fast.EXECUTORS`` (default fast).
     """
 
     name = "cuda"
 
     def __init__(self, backend_options: dict[str, Any] | None = None,
-                 step_log: list[Any] | None = None, op_log: list[Any] | None = None) -> None:
+                 step_log: list[Any] | None = None, op_log: list[Any] | None = None,
+                 executor: str | None = None) -> None:
+        from kernels.fast import DEFAULT_EXECUTOR, EXECUTORS
+
         reason = gpu_unavailable_reason()
         if reason is not None:
             raise ConfigError(f"--backend cuda needs a CUDA GPU and CuPy: {reason}")
+        self.executor = executor or DEFAULT_EXECUTOR
+        if self.executor not in EXECUTORS:
+            raise ConfigError(f"unknown executor {executor!r}; valid: {', '.join(EXECUTORS)}")
         self.options = env_backend_options() if backend_options is None else backend_options
         self.step_log = step_log
         self.op_log = op_log
@@ -238,12 +247,13 @@ class CudaWorld:
 
     async def start(self, setup: WorldSetup) -> CudaSite:
         from kernels.backend import CudaBackend
-        from kernels.compute import GpuExecutor
+        from kernels.fast import make_executor
 
         loop = asyncio.get_running_loop()
         caps = setup.capacities
         backend = CudaBackend(setup.spec, caps.device, max(caps.host, 1), **self.options)
-        executor = GpuExecutor(backend, seed=setup.seed, max_tokens=setup.max_step_tokens)
+        executor = make_executor(self.executor, backend, seed=setup.seed,
+                                 max_tokens=setup.max_step_tokens)
         await executor.warm_up(block=0)
         await warm_up_links(backend)
         backend.synchronize()
@@ -276,7 +286,7 @@ def run_gpu_replay(cfg: Any, progress: Callable[[int, int], None] | None = None,
 
     from kvflow.replay import run_replay
 
-    world = CudaWorld(backend_options, step_log, op_log)
-    if cfg.backend != "cuda":
-        cfg = dataclasses.replace(cfg, backend="cuda")
+    if cfg.backend != "cuda" or cfg.executor is None:  # the report names what ran
+        cfg = dataclasses.replace(cfg, backend="cuda", executor=cfg.executor or "fast")
+    world = CudaWorld(backend_options, step_log, op_log, executor=cfg.executor)
     return run_replay(cfg, progress, world=world, inspect=inspect, timeout_s=timeout_s)

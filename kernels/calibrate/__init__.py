@@ -270,7 +270,8 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "Keys override the base preset (kvflow.profile.load_profile); storage links are the",
         "base's (not measured: this machine's GPU world has no storage tier).",
         "",
-        f"Compute: GpuExecutor steps of {cal.model} (bf16 mma.sync kernels, compute.cu),",
+        f"Compute: fast executor steps of {cal.model} (kernels/fast.py: cuBLAS GEMMs, "
+        "fast.cu attention),",
         f"step time fitted over {len(cal.fit['steps'])} steps: a grid of prefill/decode/mixed "
         "batches and every step",
         f"of a GPU replay (24 requests, 1k..8k prompts) (rms log error "

@@ -47,7 +47,7 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
                            stream_priority: int | None = None) -> dict[str, Any]:
     """GEMM and attention throughput of the executor, and its steps over a batch grid."""
     from kernels.backend import CudaBackend
-    from kernels.compute import GpuExecutor
+    from kernels.fast import DEFAULT_EXECUTOR, make_executor
     from kernels.model import ModelShape, StepItem
 
     cp = cupy_module()
@@ -63,7 +63,8 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     need = max(max(-(-(n + c) // bt) for n, c in prefills),
                max(b * -(-(c + 1) // bt) for b, c in decodes))
     backend = CudaBackend(spec, need + 4, 1, stream_priority=stream_priority)
-    ex = GpuExecutor(backend, seed=0, max_tokens=8192 + 64)
+    # The replays' executor (kernels.fast): the steps fitted later mix these with theirs.
+    ex = make_executor(DEFAULT_EXECUTOR, backend, seed=0, max_tokens=8192 + 64)
     await ex.warm_up(block=need + 3)
     # every block gets real KV values: run prefills over the whole pool once
     rng = np.random.default_rng(2)

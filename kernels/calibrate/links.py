@@ -134,7 +134,7 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
     then shares the SMs with compute.
     """
     from kernels.backend import CudaBackend
-    from kernels.compute import GpuExecutor
+    from kernels.fast import DEFAULT_EXECUTOR, make_executor
     from kernels.model import StepItem
 
     n = 2 * max(sizes) + 2
@@ -149,7 +149,7 @@ async def measure_backend_links(spec: ModelSpec, log: Log, reps: int = 5,
     churn: asyncio.Task[None] | None = None
     stop = asyncio.Event()
     if under_load:
-        ex = GpuExecutor(backend, seed=0, max_tokens=2048)
+        ex = make_executor(DEFAULT_EXECUTOR, backend, seed=0, max_tokens=2048)
         await ex.warm_up(block=n + extra - 1)
         per = -(-4097 // bt)
         dec = [StepItem(("d", i), True, np.array([5], dtype=np.int32), 4096,

@@ -26,6 +26,9 @@ from traces.reshape import bound, poisson_arrivals, rate_scale
 MODES = ("full", "cache")
 #: Worlds a full replay runs in (``kvflow.world.WORLDS``): the simulator, or a real GPU.
 BACKENDS = tuple(WORLDS)
+#: Compute of the cuda world (``kernels.fast``): "fast" (cuBLAS + FlashAttention-style, the
+#: default) or "exact" (batch-invariant, bit-identical whatever the batching).
+EXECUTORS = ("fast", "exact")
 
 
 @dataclass
@@ -73,6 +76,9 @@ class ReplayConfig:
     # -- service targets ----------------------------------------------------------------------
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # -- the cuda world ---------------------------------------------------------------------
+    #: Its executor (``EXECUTORS``); None: "fast".
+    executor: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -81,6 +87,13 @@ class ReplayConfig:
             raise ConfigError(f"unknown backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         if self.backend == "cuda" and self.mode != "full":
             raise ConfigError("backend 'cuda' replays in full mode only")
+        if self.executor is not None:
+            if self.executor not in EXECUTORS:
+                raise ConfigError(f"unknown executor {self.executor!r}; "
+                                  f"valid: {', '.join(EXECUTORS)}")
+            if self.backend != "cuda":
+                raise ConfigError("executor is the cuda world's compute: give it with "
+                                  "backend 'cuda'")
         for name in ("device_blocks", "host_blocks", "storage_blocks", "limit",
                      "device_gb", "host_gb", "storage_gb"):
             v = getattr(self, name)

@@ -75,7 +75,7 @@ def run_replay(cfg: ReplayConfig,
             inspect(manager, None)
         return assemble_report(cfg, setup, manager, body, t0)
     if world is None:
-        world = load_world(cfg.backend)
+        world = load_world(cfg.backend, **({"executor": cfg.executor} if cfg.executor else {}))
     setup = resolve(cfg, world)
     auto = cfg.instances == "auto"
     if auto:

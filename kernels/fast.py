@@ -1,0 +1,225 @@
+"""``FastExecutor``: the GPU world's compute as fast as a serving engine's (issue 22).
+
+``GpuExecutor`` (``--executor exact``) runs kvflow's batch-invariant kernels:
+bit-identical outputs whatever the batching, which is what lets a test compare
+a swapped-and-restored run with a resident one token for token, but at about
+a fifth of what the GPU can do. Overlap measured against such slow compute
+flatters kvflow: a transfer hides easily under it. This executor
+(``--executor fast``, the default for ``--backend cuda``) runs the same model
+and step metadata with:
+
+* the weight GEMMs on cuBLAS (``cublasGemmEx`` through CuPy's bindings: bf16
+  in, fp32 accumulate; the residual projections accumulate straight into the
+  fp32 hidden state with beta = 1, as the exact kernels' mode 1 does);
+* a paged causal GQA prefill attention kernel in the FlashAttention-2 style
+  and a split-K paged decode kernel (``fast.cu``), whose splits are merged by
+  ``compute.cu``'s combine kernel;
+* everything else (embedding, RMSNorm, KV write, SiLU, final row) as the exact
+  executor, on the same compute stream behind the same per-layer device-side
+  waits (``CudaBackend.wait_layer`` before layer i writes or reads KV).
+
+Outputs agree with the exact executor to bf16 rounding, not bit for bit
+(``tests/test_gpu_fast.py`` states the tolerance). The executor choice flows
+from ``ReplayConfig.executor`` (``kvflow replay --executor``) through
+``make_executor``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kernels._cuda import load_module
+from kernels.backend import CudaBackend
+from kernels.compute import _LOG2E, GpuExecutor, _env_choice
+from kernels.model import DECODE_SPLIT, TILE, StepItem, StepPlan, build_step
+from kvflow.errors import ConfigError
+
+#: Executors ``make_executor`` builds, the default first.
+EXECUTORS = ("fast", "exact")
+DEFAULT_EXECUTOR = "fast"
+
+#: Prefill kernels of fast.cu by name: (warps a CTA, m-tiles of 16 query rows a warp, keys a
+#: K/V tile, K/V tiles in shared memory, opt). A work item is 16 * warps * m-tiles rows.
+#: More rows a warp share each K/V fragment it reads from shared memory (less traffic per
+#: MMA) for more registers; opt: one block-table division per tile instead of per chunk, O
+#: rescaled only when a row's max moved. On an H100 (benchmarks/results/gpu_executor.md),
+#: 8k causal tokens: w4m2n32o 0.288 of the bf16 peak (16-token blocks), w8m2n32 0.252,
+#: w4m2n32 0.240, w8m1n64 0.236; at 1k tokens w8m1n64 is best (0.120, w4m2n32o 0.103).
+PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
+                    "w4m2n32": (4, 2, 32, 2, 0), "w4m2n64": (4, 2, 64, 2, 0),
+                    "w4m2n32s3": (4, 2, 32, 3, 0), "w8m2n32": (8, 2, 32, 2, 0),
+                    "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1)}
+DEFAULT_PREFILL = "w4m2n32o"
+#: Keys per K/V tile of the decode kernel (16 per warp).
+_BN = 64
+_DECODE_WARPS, _DECODE_STAGES = 4, 3
+#: Decode splits: about this many CTAs per SM in a step, splits never shorter than this.
+_DECODE_CTAS_PER_SM = 8
+_MIN_DECODE_SPLIT = 256
+
+
+def make_executor(kind: str, backend: CudaBackend, **kwargs: Any) -> GpuExecutor:
+    """The executor named ``kind`` (see ``EXECUTORS``) over ``backend``."""
+    if kind == "fast":
+        return FastExecutor(backend, **kwargs)
+    if kind == "exact":
+        return GpuExecutor(backend, **kwargs)
+    raise ConfigError(f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
+
+
+def auto_decode_split(contexts: Sequence[int], kv_heads: int, sms: int) -> int:
+    """Keys per decode split so that a step's decode CTAs fill ``sms`` SMs a few times over.
+
+    One CTA per (split, kv head): few long sequences get many splits (else a
+    handful of CTAs would stream all their KV), many sequences one or two.
+    Splits are whole key tiles and never shorter than ``_MIN_DECODE_SPLIT``
+    (a CTA's pipeline needs a few tiles to stream at full speed).
+    """
+    if not contexts:
+        return DECODE_SPLIT
+    per_seq = max(1, round(_DECODE_CTAS_PER_SM * sms / (len(contexts) * kv_heads)))
+    split = -(-max(contexts) // per_seq)
+    return max(_MIN_DECODE_SPLIT, -(-split // _BN) * _BN)
+
+
+class CublasGemm:
+    """Row-major ``C[M,N] (+)= A[M,K] . W[N,K]^T`` in bf16 with fp32 accumulation, on one stream.
+
+    Its own cuBLAS handle. CuPy's ``gemmEx`` binds the handle to CuPy's
+    *current* stream on every call, so each call runs with the compute stream
+    made current: otherwise the GEMMs go to the legacy default stream, which
+    the (non-blocking) compute stream does not wait for, and race with the
+    attention kernels and the per-layer waits (seen on an H100: wrong rows,
+    and GEMM "times" of 37x the peak from events that never saw them).
+    """
+
+    def __init__(self, stream: Any) -> None:
+        from cupy.cuda import runtime
+        from cupy_backends.cuda.libs import cublas
+
+        self._cublas = cublas
+        self._stream = stream
+        self.handle = cublas.create()
+        cublas.setStream(self.handle, stream.ptr)
+        self._finalizer = weakref.finalize(self, cublas.destroy, self.handle)
+        self._one = np.ones(1, np.float32)    # host scalars (pointer mode host)
+        self._zero = np.zeros(1, np.float32)
+        self._bf16, self._f32 = int(runtime.CUDA_R_16BF), int(runtime.CUDA_R_32F)
+        self._args = (int(cublas.CUBLAS_OP_T), int(cublas.CUBLAS_OP_N))
+        self._compute = int(cublas.CUBLAS_COMPUTE_32F)
+        self._algo = int(cublas.CUBLAS_GEMM_DEFAULT)
+
+    def __call__(self, a: int, w: int, c: int, m: int, n: int, k: int, mode: int) -> None:
+        """mode 0: C is bf16, overwritten; mode 1: C is fp32, added to."""
+        # Column-major view: C^T [N, M] = W [K, N]^T . A^T [K, M].
+        beta = self._one if mode else self._zero
+        with self._stream:
+            self._cublas.gemmEx(self.handle, *self._args, n, m, k, self._one.ctypes.data,
+                                int(w), self._bf16, k, int(a), self._bf16, k, beta.ctypes.data,
+                                int(c), self._f32 if mode else self._bf16, n, self._compute,
+                                self._algo)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class FastExecutor(GpuExecutor):
+    """``GpuExecutor`` with cuBLAS GEMMs and FlashAttention-style paged attention.
+
+    ``prefill``: which prefill kernel (``PREFILL_VARIANTS``; default
+    ``KVFLOW_FAST_PREFILL`` from the environment, else ``DEFAULT_PREFILL``;
+    ``use_prefill`` changes it). ``decode_split``: keys per decode split; ``None`` sizes the
+    splits per step so that the step's decode CTAs fill the GPU a few times
+    over (long contexts of few sequences get more splits).
+    Other arguments as ``GpuExecutor``.
+    """
+
+    kind = "fast"
+
+    def __init__(self, backend: CudaBackend, *, decode_split: int | None = None,
+                 prefill: str | None = None, **kwargs: Any) -> None:
+        if decode_split is not None and (decode_split <= 0 or decode_split % TILE):
+            raise ConfigError(f"decode_split must be a positive multiple of {TILE}")
+        super().__init__(backend, decode_split=decode_split or DECODE_SPLIT, **kwargs)
+        cp = self._cp
+        self.fixed_split = decode_split
+        hd = self.shape.head_dim
+        with cp.cuda.Device(self.device):
+            self._mod = load_module("fast.cu", self.device)
+            self.use_prefill(prefill or _env_choice("KVFLOW_FAST_PREFILL", DEFAULT_PREFILL,
+                                                    tuple(PREFILL_VARIANTS)))
+            dec = self._fn["fast_decode"] = self._mod.get_function(
+                f"kvflow_fast_decode_hd{hd}_w{_DECODE_WARPS}")
+            self._smem_decode = max(_DECODE_STAGES * 2 * _BN * (hd + 8) * 2,
+                                    _DECODE_WARPS * 16 * (2 + hd) * 4)
+            dec.max_dynamic_shared_size_bytes = self._smem_decode  # past the default 48 KB
+            self.sms = int(cp.cuda.runtime.getDeviceProperties(self.device)
+                           ["multiProcessorCount"])
+            self.gemm = CublasGemm(self.stream)
+
+    def use_prefill(self, name: str) -> None:
+        """Run prefill attention with the kernel ``name`` of ``PREFILL_VARIANTS`` from now on."""
+        if name not in PREFILL_VARIANTS:
+            raise ConfigError(f"unknown prefill kernel {name!r}; valid: "
+                              f"{', '.join(PREFILL_VARIANTS)}")
+        warps, mtiles, keys, stages, opt = PREFILL_VARIANTS[name]
+        hd = self.shape.head_dim
+        with self._cp.cuda.Device(self.device):
+            fn = self._mod.get_function(
+                f"kvflow_fast_prefill_hd{hd}_w{warps}_m{mtiles}_n{keys}_s{stages}_o{opt}")
+            smem = stages * 2 * keys * (hd + 8) * 2  # K and V, padded rows
+            fn.max_dynamic_shared_size_bytes = smem
+        self._fn["fast_prefill"], self._smem_prefill = fn, smem
+        self.prefill, self.prefill_threads = name, 32 * warps
+        self.prefill_rows = 16 * warps * mtiles
+
+    # ------------------------------------------------------------------ step layout
+    def decode_split_for(self, items: Sequence[StepItem]) -> int:
+        """Keys per decode split for a step of ``items`` (``fixed_split`` if one was given)."""
+        if self.fixed_split is not None:
+            return self.fixed_split
+        return auto_decode_split([it.pos0 + 1 for it in items if it.decode],
+                                 self.shape.kv_heads, self.sms)
+
+    def _build(self, items: Sequence[StepItem]) -> StepPlan:
+        return build_step(items, self.shape, self.decode_split_for(items),
+                          prefill_tile=self.prefill_rows)
+
+    def kernel_info(self) -> dict[str, dict[str, int]]:
+        """Registers and local (spill) bytes of the attention kernels, as loaded."""
+        return {name: {"regs": int(self._fn[name].num_regs),
+                       "local_bytes": int(self._fn[name].local_size_bytes),
+                       "smem": self._smem_prefill if name == "fast_prefill"
+                       else self._smem_decode}
+                for name in ("fast_prefill", "fast_decode")}
+
+    # ------------------------------------------------------------------ kernels
+    def _gemm(self, a: np.uint64, w: Any, c: np.uint64, m: int, n: int, k: int,
+              mode: int) -> None:
+        self.gemm(int(a), int(w.data.ptr), int(c), m, n, k, mode)
+
+    def _attend(self, plan: StepPlan, meta: Callable[[str], np.uint64], layer: int) -> None:
+        s, fn, stream = self.shape, self._fn, self.stream
+        u64, i32 = np.uint64, np.int32
+        wp, wd, nd = len(plan.prefill_work), len(plan.decode_work), len(plan.combine)
+        scale = np.float32(s.softmax_scale * _LOG2E)
+        o = u64(self._o.data.ptr)
+        attn = (u64(self._qkv.data.ptr), i32(s.qkv_dim), u64(self._kc[layer]),
+                u64(self._vc[layer]), np.int64(s.block_stride), i32(s.block_tokens),
+                i32(s.kv_heads), i32(s.group))
+        if wp:  # longest work items first: the kernel walks grid y backwards
+            fn["fast_prefill"]((s.heads, wp), (self.prefill_threads,),
+                               (*attn, meta("prefill_work"), meta("tables"), o, scale),
+                               stream=stream, shared_mem=self._smem_prefill)
+        if wd:
+            po, pml = u64(self._part_o.data.ptr), u64(self._part_ml.data.ptr)
+            fn["fast_decode"]((s.kv_heads, wd), (32 * _DECODE_WARPS,),
+                              (*attn, meta("decode_work"), meta("tables"), po, pml, scale),
+                              stream=stream, shared_mem=self._smem_decode)
+            fn["kvflow_attn_combine"]((nd, s.heads), (32,),
+                                      (meta("combine"), po, pml, o, i32(s.heads),
+                                       i32(s.head_dim)), stream=stream)
