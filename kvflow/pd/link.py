@@ -96,12 +96,14 @@ class Local:
 def check_hello(local: Local, frame: Frame) -> None:
     """``LayoutMismatch`` unless ``frame`` is a HELLO with our layout."""
     if frame.kind is Kind.REFUSE:
-        raise LayoutMismatch(f"the peer refused us: {frame.meta.get('reason', '?')}")
+        raise LayoutMismatch(f"the PD peer refused {local.name!r}: "
+                             f"{frame.meta.get('reason', '?')}")
     if frame.kind is not Kind.HELLO:
         raise ProtocolError(f"expected HELLO from the peer, got {frame.kind.name}")
-    diff = layout_difference(local.layout, frame.meta.get("layout"))
+    peer = str(frame.meta.get("name", "?"))
+    diff = layout_difference(local.layout, frame.meta.get("layout"), repr(local.name), repr(peer))
     if diff is not None:
-        raise LayoutMismatch(f"peer {frame.meta.get('name', '?')!r} has another KV layout: {diff}")
+        raise LayoutMismatch(f"KV layouts of {local.name!r} and {peer!r} differ, {diff}")
 
 
 # --------------------------------------------------------------------------- in-process

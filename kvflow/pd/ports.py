@@ -246,7 +246,7 @@ class ReceivePort:
         self.stats = PortStats()
         self._connect = connect
         self.link: Link | None = None
-        self._connecting: asyncio.Future[Link] | None = None
+        self._connecting: asyncio.Task[Link] | None = None
         self._recv: dict[str, _Receive] = {}
         #: Every link this port has had (a broken one is replaced on the next receive).
         self.links: list[Link] = []
@@ -262,23 +262,23 @@ class ReceivePort:
             start(self)
 
     async def _get_link(self) -> Link:
+        """The open link, connecting first if there is none. The connection is its own
+        task, shared by every caller: one that gives up waiting does not stop it."""
         if self.link is not None and not self.link.closed:
             return self.link
         if self._connect is None:
             raise LinkClosed("the link to the prefill peer is closed")
-        if self._connecting is None or self._connecting.done():
-            fut = self._connecting = asyncio.get_running_loop().create_future()
-            try:
-                link = await self._connect()
-            except BaseException as exc:
-                fut.set_exception(exc)
-                fut.exception()
-                self._connecting = None
-                raise
-            self._adopt(link)
-            fut.set_result(link)
-            return link
-        return await asyncio.shield(self._connecting)
+        task = self._connecting
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None
+                                             or task.result().closed)):
+            task = self._connecting = asyncio.get_running_loop().create_task(self._dial())
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by callers
+        return await asyncio.shield(task)
+
+    async def _dial(self) -> Link:
+        link = await self._connect()  # type: ignore[misc]
+        self._adopt(link)
+        return link
 
     # -- the receive side's calls ---------------------------------------------------------
     async def expect(self, request: str, first: int, ids: np.ndarray, digest: int,
@@ -292,7 +292,11 @@ class ReceivePort:
         check_ids(self.memory, ids, f"request {request}: destination")
         if request in self._recv:
             raise TransferError(f"request {request} is already being received")
-        link = await self._get_link()
+        try:
+            link = await self._get_link()
+        except asyncio.CancelledError:  # given up while connecting: tell the peer once up
+            self.refuse(request, "cancelled before the link to the prefill peer was up")
+            raise
         L = self.memory.num_layers
         rec = _Receive(request, first, ids, link, on_layer, on_end, L, [first] * L)
         self._recv[request] = rec

@@ -88,14 +88,16 @@ def layout_fingerprint(descriptor: dict[str, Any]) -> int:
     return xxhash.xxh3_64_intdigest(json.dumps(descriptor, sort_keys=True).encode())
 
 
-def layout_difference(ours: dict[str, Any], theirs: Any) -> str | None:
-    """None if the layouts agree, else a sentence naming the first field that differs."""
+def layout_difference(ours: dict[str, Any], theirs: Any, us: str = "here",
+                      them: str = "the peer") -> str | None:
+    """None if the layouts agree, else a sentence naming the first field that differs
+    and its value at each end (``us``, ``them``: the ends' names)."""
     if not isinstance(theirs, dict):
-        return f"the peer sent no layout (got {theirs!r})"
+        return f"{them} sent no layout (got {theirs!r})"
     for k in ("model", "dtype", "num_layers", "block_tokens", "roles"):
         a, b = ours.get(k), theirs.get(k)
         if a != b:
-            return f"{k} differs: {a!r} here, {b!r} at the peer"
+            return f"{k} differs: {a!r} at {us}, {b!r} at {them}"
     return None
 
 
@@ -126,7 +128,7 @@ def encode(frame: Frame, layout_fp: int) -> list[bytes | memoryview]:
         meta = _LAYER_META.pack(frame.layer, frame.first, len(ids), len(rid)) + rid + ids.tobytes()
         if frame.payload is None:
             raise ValueError("a LAYER frame on the wire needs its payload")
-        payload = memoryview(np.ascontiguousarray(frame.payload)).cast("B")
+        payload = memoryview(np.ascontiguousarray(frame.payload, dtype=np.uint8).reshape(-1))
     else:
         body = dict(frame.meta)
         if frame.request:
