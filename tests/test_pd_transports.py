@@ -128,3 +128,28 @@ async def test_send_and_receive_are_transfer_tasks_layer_by_layer(kind: str) -> 
         inst.manager.check_invariants()
         assert all(free == cap for free, cap in inst.pools_free().values())
     assert req.input_len == 5 * spec.block_tokens
+
+
+@pytest.mark.asyncio
+async def test_a_pull_right_behind_the_handshake_is_kept() -> None:
+    """A decode peer may pull the moment it has the prefill side's HELLO, before that
+    side has started its link: the frame waits for it (it closed the link once)."""
+    from kvflow.pd.link import Local
+    from kvflow.pd.wire import Frame, Kind, encode
+
+    spec = ROLE_SPECS["mha-bf16"]
+    send, server = await tcp_send_port(spec, random_memory(spec, 4, 0))
+    local = Local(spec, "decode", "decode")
+    pull = Frame(Kind.PULL, "r", meta={"first": 0, "ids": [1, 2], "digest": 7})
+    wire = b"".join(bytes(p) for f in (local.hello(), pull)
+                    for p in encode(f, local.fingerprint))
+    _reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    try:
+        writer.write(wire)  # HELLO and PULL in one segment
+        await writer.drain()
+        got = await asyncio.wait_for(send.pull("r"), 5)
+        assert got.ids.tolist() == [1, 2] and got.digest == 7
+        assert not got.link.closed and send.stats.protocol_errors == 0
+    finally:
+        writer.close()
+        await server.close()

@@ -5,9 +5,10 @@ Layers, from the wire up:
 
 * ``wire``    — the frame format (versioned header, XXH3 checksums, layout fingerprint);
 * ``memory``  — ``BlockMemory``: an instance's device blocks as layers of bytes;
-* ``link``    — the transports' one protocol (``Link``): in-process (a direct copy
-  between two pools) and TCP (asyncio streams, host staging), with a handshake that
-  refuses a peer of another layout; the GPU peer copy is ``kernels.pd_peer``;
+* ``link``    — the transports' one protocol (``Link``) and the in-process link (a
+  direct copy between two pools; on a GPU ``kernels.pd_peer``'s device copies);
+* ``tcp``     — the TCP link (an asyncio buffered protocol, host staging), with a
+  handshake that refuses a peer of another layout;
 * ``ports``   — the pull protocol on links: ``SendPort`` (prefill), ``ReceivePort`` (decode);
 * ``backend`` — ``PDBackend``, the ``TransferBackend`` running SEND / RECEIVE ops;
 * ``verbs``   — ``PrefillSide.send`` and ``DecodeSide.receive`` wired into an ``Engine``;
@@ -15,9 +16,10 @@ Layers, from the wire up:
 """
 
 from kvflow.pd.backend import PDBackend, ReceiveJob, SendJob
-from kvflow.pd.link import InProcLink, Local, TcpLink, TcpServer, connect
+from kvflow.pd.link import InProcLink, Local
 from kvflow.pd.memory import ArrayMemory, BlockMemory
 from kvflow.pd.ports import ReceivePort, SendPort
+from kvflow.pd.tcp import TcpLink, TcpServer, connect
 from kvflow.pd.verbs import DecodeSide, PrefillSide
 from kvflow.pd.wire import CorruptFrame, LayoutMismatch, ProtocolError
 

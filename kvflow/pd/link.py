@@ -8,9 +8,9 @@ link.send(frame)``); frames from the peer go to a ``FrameHandler``. Two kinds:
   the source blocks, and the receiver copies them straight from the sender's
   memory (``BlockMemory.copy_from``: a numpy copy, a device-to-device or peer
   copy); ``send`` returns once that copy has landed.
-* ``TcpLink`` — two processes: frames in the ``kvflow.pd.wire`` format over an
-  asyncio stream, the payload staged through host memory. ``send`` returns once
-  the kernel has taken the bytes (``drain``).
+* ``TcpLink`` (``kvflow.pd.tcp``) — two processes: frames in the
+  ``kvflow.pd.wire`` format over a TCP connection, the payload staged through
+  host memory. ``send`` returns once the kernel has taken the bytes.
 
 Both start with a handshake that refuses a peer whose KV layout is not ours
 (``LayoutMismatch``). A link that breaks (EOF, reset, a damaged header) closes,
@@ -19,32 +19,22 @@ and its handler's ``closed(error)`` fails everything in flight on it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import inspect
 from collections.abc import Awaitable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvflow.errors import TransferError
 from kvflow.layout import ModelSpec
 from kvflow.pd.wire import (
-    HEADER_SIZE,
     CorruptFrame,
-    DamagedBody,
     Frame,
     Kind,
     LayoutMismatch,
     ProtocolError,
-    decode_body,
-    decode_header,
-    encode,
     layout_descriptor,
     layout_difference,
     layout_fingerprint,
 )
 
-#: Stream buffer of a TCP link (bytes buffered before the transport pauses reading).
-STREAM_LIMIT = 8 << 20
 HANDSHAKE_TIMEOUT_S = 5.0
 
 
@@ -148,217 +138,3 @@ class InProcLink:
             self.handler.closed(self, err)
         if self.peer is not None:
             self.peer.close(LinkClosed(f"peer {self.peer.name} closed the link"))
-
-
-# --------------------------------------------------------------------------- TCP
-class TcpLink:
-    """A stream to the peer after a successful handshake; ``start`` reads its frames."""
-
-    by_reference = False
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 local: Local, peer_hello: Frame) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.local = local
-        self.peer_name = str(peer_hello.meta.get("name", "?"))
-        self.name = f"{self.peer_name}@{_peer_address(writer)}"
-        self.handler: FrameHandler | None = None
-        self._closed = False
-        self._task: asyncio.Task[None] | None = None
-        self.stats = {"frames_out": 0, "frames_in": 0, "bytes_out": 0, "bytes_in": 0,
-                      "corrupt_frames": 0}
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def start(self, handler: FrameHandler) -> None:
-        self.handler = handler
-        self._task = asyncio.get_running_loop().create_task(self._read(), name=f"pd-{self.name}")
-
-    async def send(self, frame: Frame) -> None:
-        if self._closed:
-            raise LinkClosed(f"link to {self.name} is closed")
-        pieces = encode(frame, self.local.fingerprint)
-        self.writer.writelines(pieces)
-        self.stats["frames_out"] += 1
-        self.stats["bytes_out"] += sum(len(p) for p in pieces)
-        try:
-            await self.writer.drain()
-        except (ConnectionError, OSError) as exc:
-            err = LinkClosed(f"link to {self.name} broke while sending: {exc!r}")
-            self.close(err)
-            raise err from exc
-
-    async def _read(self) -> None:
-        error: BaseException
-        try:
-            while True:
-                try:
-                    frame = await read_frame(self.reader, self.local, self.stats)
-                except DamagedBody as exc:
-                    self.handler.bad_frame(self, exc)  # type: ignore[union-attr]
-                    continue
-                res = self.handler.frame(self, frame)  # type: ignore[union-attr]
-                if inspect.isawaitable(res):
-                    await res
-        except asyncio.IncompleteReadError:
-            error = LinkClosed(f"peer {self.name} closed the connection mid-transfer")
-        except (ConnectionError, OSError) as exc:
-            error = LinkClosed(f"connection to {self.name} lost: {exc!r}")
-        except ProtocolError as exc:
-            error = exc
-        except asyncio.CancelledError:
-            error = LinkClosed(f"link to {self.name} closed")
-        self._task = None
-        self.close(error)
-
-    def close(self, error: BaseException | None = None) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        with contextlib.suppress(Exception):
-            self.writer.close()
-        if self._task is not None and self._task is not _current_task():
-            self._task.cancel()
-        if self.handler is not None:
-            self.handler.closed(self, error or LinkClosed(f"link to {self.name} closed"))
-
-    async def wait_closed(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.writer.wait_closed()
-
-
-def _current_task() -> asyncio.Task[Any] | None:
-    try:
-        return asyncio.current_task()
-    except RuntimeError:
-        return None
-
-
-def _peer_address(writer: asyncio.StreamWriter) -> str:
-    addr = writer.get_extra_info("peername")
-    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) else str(addr)
-
-
-async def read_frame(reader: asyncio.StreamReader, local: Local,
-                     stats: dict[str, int] | None = None) -> Frame:
-    """The next frame.
-
-    Raises ``asyncio.IncompleteReadError`` at EOF, ``DamagedBody`` for a LAYER frame
-    whose body failed its checksum (the stream is still in step), and
-    ``ProtocolError`` when the stream cannot be trusted any more (a bad header, a
-    damaged control frame, a frame of another layout).
-    """
-    raw = await reader.readexactly(HEADER_SIZE)
-    header = decode_header(raw)
-    meta = await reader.readexactly(header.meta_len) if header.meta_len else b""
-    payload = await reader.readexactly(header.payload_len) if header.payload_len else b""
-    if stats is not None:
-        stats["frames_in"] += 1
-        stats["bytes_in"] += HEADER_SIZE + header.meta_len + header.payload_len
-    if header.layout_fp != local.fingerprint and header.kind not in (Kind.HELLO, Kind.REFUSE):
-        raise ProtocolError(f"{header.kind.name} frame of another KV layout "
-                            f"({header.layout_fp:#x}, ours {local.fingerprint:#x})")
-    try:
-        return decode_body(header, meta, payload, local.layer_bytes)
-    except DamagedBody as exc:
-        if header.kind is not Kind.LAYER:  # a control frame we cannot read: state unknown
-            raise ProtocolError(f"damaged {header.kind.name} frame: {exc}") from exc
-        if stats is not None:
-            stats["corrupt_frames"] += 1
-        raise
-
-
-async def _handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, local: Local,
-                     client: bool) -> Frame:
-    """Exchange HELLOs; the side that finds the layouts differ sends REFUSE first."""
-    async def send(frame: Frame) -> None:
-        writer.writelines(encode(frame, local.fingerprint))
-        await writer.drain()
-
-    if client:
-        await send(local.hello())
-    peer = await read_frame(reader, local)
-    try:
-        check_hello(local, peer)
-    except LayoutMismatch as exc:
-        if peer.kind is not Kind.REFUSE:
-            with contextlib.suppress(Exception):
-                await send(Frame(Kind.REFUSE, meta={"reason": str(exc)}))
-        raise
-    if not client:
-        await send(local.hello())
-    return peer
-
-
-async def connect(host: str, port: int, local: Local,
-                  timeout_s: float = HANDSHAKE_TIMEOUT_S) -> TcpLink:
-    """Connect to a peer's ``TcpServer`` and shake hands (``LayoutMismatch`` if refused)."""
-    try:
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(host, port, limit=STREAM_LIMIT), timeout_s)
-    except (OSError, asyncio.TimeoutError) as exc:
-        raise LinkClosed(f"cannot reach PD peer at {host}:{port}: {exc!r}") from exc
-    try:
-        peer = await asyncio.wait_for(_handshake(reader, writer, local, client=True), timeout_s)
-    except BaseException as exc:
-        writer.close()
-        if isinstance(exc, (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError)):
-            raise LinkClosed(f"handshake with {host}:{port} failed: {exc!r}") from exc
-        raise
-    _nodelay(writer)
-    return TcpLink(reader, writer, local, peer)
-
-
-class TcpServer:
-    """Accepts peers on ``host:port`` (0: any free port; see ``port``) and hands each
-    link that passes the handshake to ``on_link``. Refused peers are counted."""
-
-    def __init__(self, local: Local, on_link: Any, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
-        self.local = local
-        self.on_link = on_link
-        self.host = host
-        self.port = port
-        self.refused: list[str] = []
-        self._server: asyncio.base_events.Server | None = None
-        self.links: list[TcpLink] = []
-
-    async def start(self) -> TcpServer:
-        self._server = await asyncio.start_server(self._accept, self.host, self.port,
-                                                  limit=STREAM_LIMIT)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            peer = await asyncio.wait_for(_handshake(reader, writer, self.local, client=False),
-                                          HANDSHAKE_TIMEOUT_S)
-        except (ProtocolError, asyncio.IncompleteReadError, ConnectionError,
-                asyncio.TimeoutError, OSError) as exc:
-            self.refused.append(str(exc))
-            writer.close()
-            return
-        _nodelay(writer)
-        link = TcpLink(reader, writer, self.local, peer)
-        self.links.append(link)
-        self.on_link(link)
-
-    async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for link in self.links:
-                link.close()
-            await self._server.wait_closed()
-            self._server = None
-
-
-def _nodelay(writer: asyncio.StreamWriter) -> None:
-    import socket
-
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

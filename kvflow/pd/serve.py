@@ -388,6 +388,8 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
             "skipped": side["skipped"], "recomputed": side["recomputed"],
             "aborted": side["aborted"],
             "wait_at_admission_s": _summary(wait), "after_prefill_s": _summary(after),
+            "errors": sorted({str(d.get("error")) for d in dr.values()
+                              if d.get("ok") is False})[:8],
         },
         "errors": {"corrupt_reads": sum(c["corrupt_reads"] for c in compute.values()),
                    "port": {"prefill": p_res["port"], "decode": d_res["port"]}},

@@ -7,9 +7,10 @@ memories: ``inproc_ports`` with two ``CudaBlockMemory`` objects.
 from __future__ import annotations
 
 from kvflow.layout import ModelSpec
-from kvflow.pd.link import InProcLink, Link, Local, TcpServer, connect
+from kvflow.pd.link import InProcLink, Link, Local
 from kvflow.pd.memory import BlockMemory
 from kvflow.pd.ports import ReceivePort, SendPort
+from kvflow.pd.tcp import TcpServer, connect
 
 
 def inproc_ports(prefill: tuple[ModelSpec, BlockMemory], decode: tuple[ModelSpec, BlockMemory],
