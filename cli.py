@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.errors import KvflowError
-from kvflow.pd.cli import register as register_pd_commands
+from kvflow.realtime.pd_cli import register as register_pd_commands
 from kvflow.reports.cli import register as register_report_commands
 from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 

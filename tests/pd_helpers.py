@@ -167,8 +167,8 @@ class Pair:
 
     async def run(self, reqs: list[Any]) -> Pair:
         from kvflow.engine import EngineRequest
-        from kvflow.pd.instance import Instance, InstanceConfig
         from kvflow.pd.verbs import DecodeSide, PrefillSide
+        from kvflow.realtime.pd_instance import Instance, InstanceConfig
 
         self.P = P = Instance(self.spec, InstanceConfig(
             device_blocks=self.p_blocks, host_blocks=16, max_batch_tokens=self.mbt,

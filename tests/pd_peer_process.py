@@ -13,10 +13,10 @@ import sys
 
 import numpy as np
 
-from kvflow.cpu import block_bytes
-from kvflow.pd.instance import tiny_spec
 from kvflow.pd.memory import ArrayMemory
 from kvflow.pd.transports import tcp_send_port
+from kvflow.realtime.cpu import block_bytes
+from kvflow.realtime.pd_instance import tiny_spec
 
 
 async def main() -> None:

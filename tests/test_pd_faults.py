@@ -26,9 +26,9 @@ import pytest
 from pd_helpers import FrameFlipper, Pair, engine_requests
 
 from kvflow.engine import EngineRequest
-from kvflow.pd.instance import Instance, InstanceConfig, tiny_spec
 from kvflow.pd.transports import tcp_receive_port
 from kvflow.pd.verbs import DecodeSide
+from kvflow.realtime.pd_instance import Instance, InstanceConfig, tiny_spec
 
 SPEC = tiny_spec()
 ROOT = Path(__file__).resolve().parents[1]

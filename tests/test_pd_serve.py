@@ -8,8 +8,8 @@ from pathlib import Path
 from cli_helpers import AppCli
 
 from cli import app
-from kvflow.pd.instance import tiny_spec
-from kvflow.pd.serve import PDRequest, ServeConfig, build_report
+from kvflow.realtime.pd_instance import tiny_spec
+from kvflow.realtime.pd_serve import PDRequest, ServeConfig, build_report
 
 CLI = AppCli(app, "serve-pd")
 

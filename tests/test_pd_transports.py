@@ -20,11 +20,11 @@ from kvflow.engine import EngineRequest
 from kvflow.layout import ModelSpec
 from kvflow.manager import OpKind
 from kvflow.pd.backend import ReceiveJob, SendJob
-from kvflow.pd.instance import Instance, InstanceConfig
 from kvflow.pd.ports import prompt_digest
 from kvflow.pd.transports import inproc_ports, tcp_receive_port, tcp_send_port
 from kvflow.pd.wire import LayoutMismatch
 from kvflow.radix import COMPUTING, READY
+from kvflow.realtime.pd_instance import Instance, InstanceConfig
 
 
 @pytest.mark.asyncio

@@ -15,9 +15,9 @@ from pd_helpers import TRANSPORTS, Pair, engine_requests, ports
 from kvflow.engine import EngineRequest
 from kvflow.manager import OpKind, TransferOp
 from kvflow.pd.backend import ReceiveJob
-from kvflow.pd.instance import Instance, InstanceConfig, tiny_spec
 from kvflow.pd.ports import prompt_digest
 from kvflow.radix import Tier
+from kvflow.realtime.pd_instance import Instance, InstanceConfig, tiny_spec
 
 SPEC = tiny_spec()
 

@@ -11,8 +11,13 @@ Layers, from the wire up:
   handshake that refuses a peer of another layout;
 * ``ports``   — the pull protocol on links: ``SendPort`` (prefill), ``ReceivePort`` (decode);
 * ``backend`` — ``PDBackend``, the ``TransferBackend`` running SEND / RECEIVE ops;
-* ``verbs``   — ``PrefillSide.send`` and ``DecodeSide.receive`` wired into an ``Engine``;
-* ``serve``   — ``kvflow serve-pd``: a prefill and a decode engine as two processes.
+* ``verbs``   — ``PrefillSide.send`` and ``DecodeSide.receive`` wired into an ``Engine``.
+
+This package is core: it knows the engine, the runtime and the manager, never a
+world or the driver. The PD engine pair of the real-time CPU world (``kvflow
+serve-pd``: a prefill and a decode engine as two processes) is
+``kvflow.realtime.pd_serve``; the GPU memory for the transports is
+``kernels.pd_peer``.
 """
 
 from kvflow.pd.backend import PDBackend, ReceiveJob, SendJob

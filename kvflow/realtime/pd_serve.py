@@ -3,7 +3,7 @@
 The parent starts a prefill process (it listens on loopback) and a decode
 process (it connects), tells both one start time on the machine's monotonic
 clock, and each replays the same trace slice in real time in the CPU world
-(``kvflow.pd.instance``): every request arrives at both; the prefill engine
+(``kvflow.realtime.pd_instance``): every request arrives at both; the prefill engine
 computes its prompt (and first token) and sends the KV layer by layer over
 TCP; the decode engine receives it into blocks it allocated at admission and
 decodes the remaining tokens. Both check every block they read against the
@@ -37,15 +37,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from kvflow.engine import EngineRequest, RequestState
 from kvflow.errors import ConfigError
+from kvflow.hashing import BlockHasher
 from kvflow.layout import ModelSpec, preset
-from kvflow.pd.instance import ROLES, Instance, InstanceConfig, tiny_spec
 from kvflow.pd.transports import tcp_receive_port, tcp_send_port
 from kvflow.pd.verbs import DecodeSide, PrefillSide, TransferRecord
 from kvflow.pd.wire import wire_id
+from kvflow.realtime.pd_instance import ROLES, Instance, InstanceConfig, tiny_spec
+from kvflow.replay.config import request_keys
+from kvflow.replay.report import summary
+from kvflow.world import new_loop
 
 REPORT_VERSION = "pd-1"
 #: Seconds the parent waits for a child to start, and beyond the last arrival for the end.
@@ -92,17 +94,15 @@ def load_slice(cfg: ServeConfig) -> tuple[ModelSpec, list[PDRequest]]:
     from traces import open_trace, sample_path
 
     tr = open_trace(cfg.trace or sample_path())
+    hasher = BlockHasher(tr.block_tokens)
     out: list[PDRequest] = []
     for req in tr:
         if req.index < cfg.start:
             continue
         if len(out) >= cfg.limit:
             break
-        if req.block_hashes is not None:
-            keys: tuple[Any, ...] = req.block_hashes
-            if req.tenant is not None:
-                keys = tuple((req.tenant, h) for h in keys)
-        else:  # lengths only: blocks nobody shares
+        keys: tuple[Any, ...] = request_keys(req, hasher)
+        if not keys:  # lengths only: blocks nobody shares
             keys = tuple((req.index, j) for j in range(req.num_blocks(tr.block_tokens)))
         out.append(PDRequest(req.index, req.arrival_s, keys, req.input_len, req.output_len))
     if not out:
@@ -127,24 +127,13 @@ def sized(cfg: InstanceConfig, spec: ModelSpec, reqs: list[PDRequest]) -> Instan
 
 
 # --------------------------------------------------------------------------- children
-def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover
-            pass
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
 def _child_main(role: str) -> None:
-    """A child process (``python -m kvflow.pd.serve ROLE``): JSON lines on stdin/stdout."""
+    """A child process (``python -m kvflow.realtime.pd_serve ROLE``): JSON lines on stdin/stdout."""
     import sys
 
     cfg = config_from_dict(json.loads(sys.stdin.readline()))
     conn = _Pipe()
-    loop = _new_loop(cfg.use_uvloop)
+    loop = new_loop(cfg.use_uvloop)
     try:
         conn.send(loop.run_until_complete(_run_role(role, cfg, conn)))
     except BaseException as exc:  # the parent reports it; never a silent child
@@ -287,7 +276,7 @@ async def _parent(cfg: ServeConfig, reqs: list[PDRequest]) -> tuple[dict[str, An
     try:
         for role in ROLES:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvflow.pd.serve", role, stdin=PIPE, stdout=PIPE,
+                sys.executable, "-m", "kvflow.realtime.pd_serve", role, stdin=PIPE, stdout=PIPE,
                 env=env, limit=1 << 26)
             procs.append(proc)
             proc.stdin.write(line)  # type: ignore[union-attr]
@@ -338,14 +327,6 @@ def config_from_dict(d: dict[str, Any]) -> ServeConfig:
     return ServeConfig(**d)
 
 
-def _summary(values: list[float]) -> dict[str, float] | None:
-    if not values:
-        return None
-    a = np.asarray(values, dtype=float)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
-    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
-
-
 def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
                  p_res: dict[str, Any], d_res: dict[str, Any]) -> dict[str, Any]:
     """Both processes' records on one clock -> the PD report (see the module docstring)."""
@@ -380,14 +361,14 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
                    "bytes_per_block": spec.bytes_per_block, "num_layers": spec.num_layers,
                    "transport": "tcp", "trace_requests": len(reqs)},
         "requests": len(samples), "failed": failed,
-        "ttft_s": _summary(ttft), "tpot_s": _summary(tpot), "e2e_s": _summary(e2e),
+        "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
         "transfer": {
             "bytes": d_res["port"]["bytes"], "wire_bytes": d_res["wire_bytes"],
             "frames": d_res["port"]["frames"],
             "transfers": side["started"], "ok": side["ok"], "failed": side["failed"],
             "skipped": side["skipped"], "recomputed": side["recomputed"],
             "aborted": side["aborted"],
-            "wait_at_admission_s": _summary(wait), "after_prefill_s": _summary(after),
+            "wait_at_admission_s": summary(wait), "after_prefill_s": summary(after),
             "errors": sorted({str(d.get("error")) for d in dr.values()
                               if d.get("ok") is False})[:8],
         },

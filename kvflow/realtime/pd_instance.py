@@ -1,4 +1,4 @@
-"""One PD instance in the real-time CPU world: engine, cache and a PD half, wired.
+"""One prefill/decode instance in the real-time CPU world: engine, cache and PD backend.
 
 The pieces are the real-time world's (``HostCopyBackend`` for device <-> host,
 ``KeyedBlockExecutor`` writing and checking key-derived bytes, ``Engine``),
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.backends import RoutedBackend
-from kvflow.realtime.cpu import HostCopyBackend, KeyedBlockExecutor
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.host_memory import HostArrays
@@ -24,7 +23,11 @@ from kvflow.pd.backend import PDBackend
 from kvflow.pd.memory import ArrayMemory
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import Tier
+from kvflow.realtime.cpu import HostCopyBackend, KeyedBlockExecutor
+from kvflow.realtime.stack import tiny_spec
 from kvflow.runtime import Runtime
+
+__all__ = ["ROLES", "Instance", "InstanceConfig", "tiny_spec"]
 
 ROLES = ("prefill", "decode")
 
@@ -52,14 +55,6 @@ class InstanceConfig:
         if self.device_blocks < 0 or self.host_blocks < 0:
             raise ConfigError("device_blocks and host_blocks must be >= 0")
         WritePolicy(self.write_policy)
-
-
-def tiny_spec(block_tokens: int = 16) -> ModelSpec:
-    """The real-time world's small model (``sim.realtime.tiny_spec``'s shape): real
-    bytes in KB-sized blocks."""
-    return ModelSpec("kvflow-tiny", num_layers=4, num_kv_heads=2, head_dim=16, dtype="bf16",
-                     block_tokens=block_tokens, hidden_size=128, num_attention_heads=8,
-                     intermediate_size=256, active_params=1e6)
 
 
 class Instance:

@@ -79,8 +79,8 @@ def serve_pd_cmd(
 ) -> None:
     """Run a prefill and a decode engine as two processes over TCP (real-time CPU world);
     report transfer bytes, the KV wait at decode admission, TTFT and TPOT."""
-    from kvflow.pd.instance import InstanceConfig
-    from kvflow.pd.serve import ServeConfig, serve_pd
+    from kvflow.realtime.pd_instance import InstanceConfig
+    from kvflow.realtime.pd_serve import ServeConfig, serve_pd
 
     if out is not None and out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite")
