@@ -54,10 +54,10 @@ def test_the_report_puts_both_processes_on_one_clock() -> None:
     side = {"started": 1, "ok": 1, "failed": 0, "skipped": 0, "recomputed": 0, "aborted": 0}
     counters = {"compute": {"corrupt_reads": 0, "blocks_verified": 3}}
     p = {"t0": t0, "records": {"0": {"first": 100.5}, "1": {"first": 101.2}}, "port": port,
-         "side": side, "pools": {}, "config": {}, "counters": counters}
+         "side": side, "pools": {}, "config": {}, "counters": counters, "transfer_errors": []}
     d = {"records": {"0": {"admit": 100.1, "kv": 100.6, "finish": 102.5}, "1": {}},
          "port": port, "side": side, "wire_bytes": 9999, "pools": {}, "config": {},
-         "counters": counters}
+         "counters": counters, "transfer_errors": []}
     r = build_report(ServeConfig(), spec, reqs, p, d)
     assert r["requests"] == 2 and r["failed"] == []
     assert abs(r["ttft_s"]["p50"] - 0.35) < 1e-9  # (0.5 + 0.2) / 2
@@ -65,3 +65,18 @@ def test_the_report_puts_both_processes_on_one_clock() -> None:
     assert abs(r["transfer"]["wait_at_admission_s"]["mean"] - 0.5) < 1e-9
     assert abs(r["transfer"]["after_prefill_s"]["mean"] - 0.1) < 1e-9
     assert r["transfer"]["bytes"] == 2 * spec.bytes_per_block
+
+
+def test_a_request_the_decode_side_rejects_stops_the_prefill_sides_send(tmp_path: Path) -> None:
+    """The decode instance refuses what it cannot hold: the prefill side's send stops at
+    once (refused), not at its deadline; the request fails with the reason."""
+    out = tmp_path / "pd.json"
+    code, _, _ = CLI.run("--start", "480", "--limit", "3", "--time-scale", "0.05",
+                         "--step-s", "0.0005", "--decode-device-blocks", "20",
+                         "--deadline-s", "60", "--out", out)
+    assert code == 0
+    r = json.loads(out.read_text())
+    assert r["failed"] and all("device blocks" in f for f in r["failed"])
+    assert any("refused" in e and "rejected by the decode instance" in e
+               for e in r["transfer"]["send_errors"])
+    assert r["errors"]["corrupt_reads"] == 0

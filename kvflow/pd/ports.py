@@ -183,12 +183,12 @@ class SendPort:
             reason = str(frame.meta.get("reason", "?"))
             watcher = self._watchers.pop(frame.request, None)
             fut = self._waiting.pop(frame.request, None)
-            err = TransferError(f"decode peer {link.name} cancelled request {frame.request}: "
-                                f"{reason}")
             if watcher is not None:
-                watcher[1](err)
+                watcher[1](TransferError(f"decode peer {link.name} cancelled request "
+                                         f"{frame.request}: {reason}"))
             elif fut is not None and not fut.done():
-                fut.set_exception(err)
+                fut.set_exception(TransferError(
+                    f"the decode peer refused request {frame.request}: {reason}"))
             else:
                 self._refused[frame.request] = reason
         else:

@@ -173,12 +173,12 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
     eng = inst.engine
     eng.clock = time.monotonic
     rec: dict[str, dict[str, Any]] = {wire_id(r.rid): {} for r in reqs}
+    out_len = {wire_id(r.rid): r.output_len for r in reqs}
     server = None
     if role == "prefill":
         port, server = await tcp_send_port(spec, inst.memory, cfg.host, 0, name="prefill")
         side: Any = PrefillSide(eng, inst.pd, port, cfg.deadline_s).attach()
         send = side.send
-        out_len = {wire_id(r.rid): r.output_len for r in reqs}
 
         def on_admit(st: RequestState) -> None:
             rid = wire_id(st.req.request_id)
@@ -207,9 +207,14 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
         conn.send({"ready": True})
 
     def on_finish(st: RequestState) -> None:
-        d = rec[wire_id(st.req.request_id)]
-        d.update(first=st.first_token_s, finish=st.finish_s, generated=st.generated,
-                 hits=list(st.hits))
+        rid = wire_id(st.req.request_id)
+        rec[rid].update(first=st.first_token_s, finish=st.finish_s, generated=st.generated,
+                        hits=list(st.hits))
+        if st.error is not None and st.plan is None:  # rejected, never admitted: tell the peer
+            if role == "prefill" and out_len[rid] > 1:
+                side.abandon(rid, f"rejected by the prefill instance: {st.error}")
+            elif role == "decode":
+                port.refuse(rid, f"rejected by the decode instance: {st.error}")
 
     eng.on_finish = on_finish
     t0 = (await _recv(conn))["t0"]
@@ -222,14 +227,10 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
             if run.done():
                 run.result()
             if role == "prefill":
-                st = eng.add(EngineRequest(r.rid, r.arrival_s, r.keys, r.input_len, 1))
-                if st.error is not None and r.output_len > 1:
-                    side.abandon(r.rid, f"rejected by the prefill instance: {st.error}")
+                eng.add(EngineRequest(r.rid, r.arrival_s, r.keys, r.input_len, 1))
             elif r.output_len > 1:
-                st = eng.add(EngineRequest(r.rid, r.arrival_s, r.keys, r.input_len,
-                                           r.output_len - 1))
-                if st.error is not None:
-                    port.refuse(wire_id(r.rid), f"rejected by the decode instance: {st.error}")
+                eng.add(EngineRequest(r.rid, r.arrival_s, r.keys, r.input_len,
+                                      r.output_len - 1))
         eng.close()
         await run
     finally:
@@ -243,6 +244,7 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
     result = {
         "role": role, "t0": t0, "records": rec, "counters": inst.counters(),
         "side": side.stats.as_dict(), "port": port.stats.as_dict(),
+        "transfer_errors": sorted({r.error for r in side.stats.records if r.error})[:8],
         "wire_bytes": sum(s["bytes_in"] + s["bytes_out"] for s in links),
         "pools": inst.pools_free(), "config": asdict(icfg),
         "spec": {"name": spec.name, "bytes_per_block": spec.bytes_per_block,
@@ -369,8 +371,7 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
             "skipped": side["skipped"], "recomputed": side["recomputed"],
             "aborted": side["aborted"],
             "wait_at_admission_s": summary(wait), "after_prefill_s": summary(after),
-            "errors": sorted({str(d.get("error")) for d in dr.values()
-                              if d.get("ok") is False})[:8],
+            "errors": d_res["transfer_errors"], "send_errors": p_res["transfer_errors"],
         },
         "errors": {"corrupt_reads": sum(c["corrupt_reads"] for c in compute.values()),
                    "port": {"prefill": p_res["port"], "decode": d_res["port"]}},
