@@ -70,6 +70,9 @@ def serve_pd_cmd(
     host_blocks: Annotated[int, typer.Option(help="Host tier of each; 0: as the device.")] = 0,
     step_s: Annotated[float, typer.Option(help="Compute per step (s).")] = 0.002,
     token_s: Annotated[float, typer.Option(help="Compute per token (s).")] = 2e-6,
+    verify_decode: Annotated[bool, typer.Option(
+        help="Check every block at every decode step too (the decode side's first step "
+             "checks the received KV either way).")] = False,
     deadline_s: Annotated[float, typer.Option(help="Deadline of each transfer (s).")] = 30.0,
     on_failure: Annotated[str, typer.Option(
         help="A transfer that fails: recompute on decode, or fail the request.")] = "recompute",
@@ -89,7 +92,7 @@ def serve_pd_cmd(
 
         def inst(device: int) -> InstanceConfig:
             return InstanceConfig(device_blocks=device, host_blocks=host_blocks, step_s=step_s,
-                                  token_s=token_s)
+                                  token_s=token_s, verify_decode=verify_decode)
 
         cfg = ServeConfig(trace=path, start=start, limit=limit, time_scale=time_scale,
                           model=model, prefill=inst(prefill_device_blocks),
