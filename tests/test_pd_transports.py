@@ -153,3 +153,59 @@ async def test_a_pull_right_behind_the_handshake_is_kept() -> None:
     finally:
         writer.close()
         await server.close()
+
+
+class _ThreadedMemory:
+    """Device memory whose copies run on a worker thread and land later (as a GPU's
+    do), each waiting for ``gate``: a copy still in flight can be held there."""
+
+    def __init__(self, spec: ModelSpec, blocks: int) -> None:
+        import threading
+
+        from kvflow.pd.memory import ArrayMemory
+
+        self.inner = poisoned_memory(spec, blocks)
+        self.num_layers, self.num_blocks, self.layer_bytes = self.inner.array.shape
+        self.gate = threading.Event()
+        self._copy = ArrayMemory.copy_from
+
+    def read(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        return self.inner.read(layer, ids)
+
+    def write(self, layer: int, ids: np.ndarray, data: np.ndarray) -> None:
+        self.inner.write(layer, ids, data)
+
+    def copy_from(self, src: object, layer: int, s: np.ndarray, d: np.ndarray) -> object:
+        def copy() -> None:
+            self.gate.wait(10)
+            self._copy(self.inner, src, layer, s, d)
+
+        return asyncio.get_running_loop().run_in_executor(None, copy)
+
+
+@pytest.mark.asyncio
+async def test_a_receive_ends_only_once_no_copy_writes_its_blocks() -> None:
+    """The sender gives up while a copy into the receiver's blocks is in flight: the
+    receive fails, but only after that copy has finished (its blocks are handed back
+    then, never while a copy may still write them)."""
+    spec = ROLE_SPECS["mha-bf16"]
+    src, dst = random_memory(spec, 8, 1), _ThreadedMemory(spec, 8)
+    send, recv = inproc_ports((spec, src), (spec, dst))  # type: ignore[arg-type]
+    ended: list[BaseException | None] = []
+    await recv.expect("r", 0, np.array([3, 4]), prompt_digest([1, 2], 0, 2), lambda _: None,
+                      ended.append)
+    pull = await send.pull("r")
+    put = asyncio.get_running_loop().create_task(send.put(pull, 0, 0, np.array([6, 7])))
+    await asyncio.sleep(0.02)
+    put.cancel()  # the sending side stops mid-frame ...
+    send.give_up("r", "the prefill instance stopped", pull)  # ... and says so
+    for _ in range(20):
+        await asyncio.sleep(0.005)
+    assert ended == []  # the copy still runs: the receive has not ended
+    dst.gate.set()
+    for _ in range(400):
+        if ended:
+            break
+        await asyncio.sleep(0.005)
+    assert len(ended) == 1 and "gave up" in str(ended[0])
+    assert np.array_equal(dst.inner.array[0][[3, 4]], src.array[0][[6, 7]])  # it finished

@@ -19,6 +19,7 @@ and its handler's ``closed(error)`` fails everything in flight on it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from typing import Protocol
 
@@ -127,7 +128,9 @@ class InProcLink:
             raise LinkClosed(f"link to {self.name} is closed")
         res = peer.handler.frame(peer, frame)
         if res is not None:
-            await res
+            # The receiver's copy runs to its end even if this sender is cancelled: the
+            # receiver hands its blocks back only once no copy writes them any more.
+            await asyncio.shield(asyncio.ensure_future(res))
 
     def close(self, error: BaseException | None = None) -> None:
         if self._closed:
