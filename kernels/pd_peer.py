@@ -110,16 +110,15 @@ class CudaBlockMemory:
             sidx = cp.asarray(src_ids)
             gathered = [a[layer][sidx] for a in src.arrays]  # contiguous, on the source GPU
             keep += [sidx, *gathered]
-            if src.device != self.device:
-                ready = cp.cuda.Event(disable_timing=True)
-                ready.record(src.stream)
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record(src.stream)
         with cp.cuda.Device(self.device), self.stream:
             didx = cp.asarray(dst_ids)
             keep.append(didx)
+            self.stream.wait_event(ready)  # the gather ran on the source's stream
             if src.device == self.device:
                 parts = gathered
             else:
-                self.stream.wait_event(ready)
                 parts = []
                 for g in gathered:
                     d = cp.empty_like(g)

@@ -20,7 +20,6 @@ position (``on_failure="recompute"``) or ends with the reason
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,8 +71,8 @@ class SideStats:
     records: list[TransferRecord] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items() if k != "records"}
-        return d
+        """The counts (not the records)."""
+        return {k: v for k, v in self.__dict__.items() if k != "records"}
 
 
 class PrefillSide:
@@ -245,7 +244,3 @@ class DecodeSide:
     def _deadline(self) -> float | None:
         return None if self.deadline_s is None else self.engine.loop.time() + self.deadline_s
 
-
-def settle_all(tasks: list[TransferTask]) -> asyncio.Future[list[Any]]:
-    """One future for many transfers, failures included (tests and drivers)."""
-    return asyncio.gather(*(t.wait() for t in tasks), return_exceptions=True)
