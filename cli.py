@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.errors import KvflowError
+from kvflow.realtime.pd_cli import register as register_pd_commands
 from kvflow.reports.cli import register as register_report_commands
 from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 app.add_typer(trace_app, name="trace")
 register_report_commands(app)
+register_pd_commands(app)
 
 
 class Mode(str, Enum):

@@ -108,6 +108,7 @@ class RequestState:
     prefetched: frozenset = frozenset()  # keys brought up from storage at arrival
     reservation: Reservation | None = None
     ready: bool = False             # prefetch settled, may be scheduled
+    held: bool = False              # held back from outside (kvflow.pd: its KV is on its way)
     waited: bool = False            # its loads have been waited for by a step
     prefilled: int = 0              # prompt tokens whose KV exists
     generated: int = 0
@@ -124,6 +125,7 @@ class EngineStats:
     finished: int = 0
     rejected: int = 0
     replans: int = 0
+    aborted: int = 0
     steps: int = 0
     recomputed_tokens: int = 0
 
@@ -155,6 +157,10 @@ class Engine:
         self.on_finish: Callable[[RequestState], None] | None = None
         #: Called as a request's prefill completes (its first token); a router's exact view.
         self.on_first_token: Callable[[RequestState], None] | None = None
+        #: Called once a request is admitted and its plan's loads are submitted, before
+        #: any step: prefill/decode disaggregation (``kvflow.pd``) starts a request's
+        #: send there, or its receive (holding it back with ``held`` until the KV landed).
+        self.on_admit: Callable[[RequestState], None] | None = None
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
         self.next_arrival: Callable[[], float | None] | None = None
@@ -186,6 +192,26 @@ class Engine:
     def close(self) -> None:
         """No more requests will come: ``run`` returns once everything is done."""
         self._closed = True
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Schedule again now (a request ``held`` back from outside was let go)."""
+        self._wake.set()
+
+    def abort(self, st: RequestState, reason: str) -> None:
+        """End a running request that has not produced a token, with ``reason``: its
+        plan is finished uncommitted (its own blocks go back, nothing half-written
+        stays indexed). For a request whose KV was to come from elsewhere and did not."""
+        if st not in self.running or st.first_token_s is not None:
+            raise ValueError(f"request {st.req.request_id!r} is not running before its first token")
+        self.running.remove(st)
+        if st.plan is not None:
+            self.runtime.submit_all(self.manager.finish(st.plan))
+        st.error = reason
+        self.stats.aborted += 1
+        self.done.append(st)
+        if self.on_finish is not None:
+            self.on_finish(st)
         self._wake.set()
 
     @property
@@ -305,6 +331,8 @@ class Engine:
                 # wait_complete needs no holding back: the swap-ins read after
                 # the prefetch, and each layer's compute after its swap-in.
                 st.ready = True
+            if self.on_admit is not None:
+                self.on_admit(st)
 
     def _drop_reservations(self) -> bool:
         """Release what waiting requests hold for their prefetch; True if any was held.
@@ -381,7 +409,7 @@ class Engine:
                 batch.decode.append(st.req.input_len + st.generated)
                 members.append((st, 1))
                 budget -= 1
-            elif st.ready:
+            elif st.ready and not st.held:
                 prefilling.append(st)
         for st in prefilling:
             if budget <= 0:
@@ -429,8 +457,9 @@ class Engine:
         # A failed load was ordered after copies still reading its device block
         # (a copy-out of what the block held before); one that failed before it
         # ran no longer holds them back, so the recompute waits for them itself.
+        # The plan's own readers (a PD send of what it computes) read the new KV.
         for t in self.runtime.pending_readers(Tier.DEVICE, [plan.device_ids[i] for i in redo]):
-            if t not in st.tasks:
+            if t not in st.tasks and t.op.plan is not plan:
                 st.tasks.append(t)
         first = min(redo, default=None)
         if first is None:

@@ -46,6 +46,14 @@ class OpKind(str, Enum):
     BACKUP = "backup"        # a copy down one tier of a block that stays (write_through)
     PREFETCH = "prefetch"    # storage -> host, ahead of a swap-in
     WRITE = "write"          # host -> storage copy-out of a block evicted from host
+    # Prefill/decode disaggregation (kvflow.pd): one side of the op is another instance's.
+    SEND = "send"            # device -> a peer: reads local device blocks for a decode instance
+    RECEIVE = "receive"      # a peer -> device: writes local device blocks from a prefill instance
+
+
+#: Op kinds with only one local side: SEND's destinations and RECEIVE's sources are
+#: positions in the request's prompt on the peer, not blocks of this instance.
+REMOTE_KINDS = frozenset({OpKind.SEND, OpKind.RECEIVE})
 
 
 @dataclass(eq=False)
@@ -67,6 +75,16 @@ class TransferOp:
     @property
     def num_blocks(self) -> int:
         return len(self.src_ids)
+
+    @property
+    def reads_local(self) -> bool:
+        """Whether ``src_ids`` are blocks of this instance (not a peer's positions)."""
+        return self.kind is not OpKind.RECEIVE
+
+    @property
+    def writes_local(self) -> bool:
+        """Whether ``dst_ids`` are blocks of this instance (not a peer's positions)."""
+        return self.kind is not OpKind.SEND
 
 
 @dataclass(eq=False)
@@ -505,6 +523,30 @@ class CacheManager:
             else:
                 break
 
+    # ------------------------------------------------------------ remote ops
+    def remote_op(self, kind: OpKind, plan: Plan, block_ids: Sequence[int],
+                  positions: Sequence[int]) -> TransferOp:
+        """A prefill/decode transfer of a planned request's prompt blocks (``kvflow.pd``).
+
+        ``SEND`` reads ``block_ids`` (this device's) for a peer; ``RECEIVE`` writes
+        them from one; ``positions`` are the blocks' places in the prompt, which is
+        all the two instances share. The op is in flight like any copy, so the
+        runtime orders it against copies of the same blocks and ``complete`` settles
+        it. It changes no node: a received block stays ``COMPUTING`` (not matchable)
+        until the request commits, and a failed receive leaves it the request's to
+        compute, exactly as if no transfer had been tried.
+        """
+        if kind not in REMOTE_KINDS:
+            raise ValueError(f"remote_op takes SEND or RECEIVE, not {kind}")
+        if len(block_ids) != len(positions):
+            raise ValueError(f"remote_op: {len(block_ids)} blocks, {len(positions)} positions")
+        local, remote = list(block_ids), list(positions)
+        src, dst = (local, remote) if kind is OpKind.SEND else (remote, local)
+        keys = [plan.keys[p] if p < len(plan.keys) else None for p in positions]
+        op = TransferOp(next(self._op_ids), kind, DEVICE, DEVICE, src, dst, keys, [], plan)
+        self.inflight[op.op_id] = op
+        return op
+
     # ----------------------------------------------------------------- commit
     def commit(self, plan: Plan) -> None:
         """The request's forward pass has written its new blocks: make them matchable."""
@@ -513,6 +555,19 @@ class CacheManager:
         self.index.mark_computed(plan.computing)
         plan.computing.clear()
         plan.committed = True
+
+    def commit_received(self, plan: Plan, first: int) -> int:
+        """A transfer (a PD receive) wrote the plan's blocks from prompt position
+        ``first`` on, instead of its compute: those still ``COMPUTING`` become
+        matchable now; returns how many. The plan itself stays uncommitted, so a
+        load of its cached prefix that fails later is still its to recompute."""
+        position = {id(n): i for i, n in enumerate(plan.nodes)}
+        done = [n for n in plan.computing if position.get(id(n), -1) >= first]
+        if done:
+            self.index.mark_computed(done)
+            ids = set(map(id, done))
+            plan.computing[:] = [n for n in plan.computing if id(n) not in ids]
+        return len(done)
 
     # ----------------------------------------------------------------- finish
     def finish(self, plan: Plan) -> list[TransferOp]:

@@ -33,7 +33,7 @@ from typing import Any
 
 from kvflow.backend import TransferBackend
 from kvflow.errors import BlocksLost, TransferError
-from kvflow.manager import CacheManager, OpKind, TransferOp
+from kvflow.manager import REMOTE_KINDS, CacheManager, OpKind, TransferOp
 from kvflow.radix import Tier
 
 #: Link name per (src tier, dst tier), as reports and backends name them.
@@ -239,13 +239,13 @@ class Runtime:
         src, dst = op.src_tier, op.dst_tier
         writer_s, writer_d = self._writer[src], self._writer[dst]
         readers_s, readers_d = self._readers[src], self._readers[dst]
-        for b in op.src_ids:
+        for b in op.src_ids if op.reads_local else ():
             w = writer_s.get(b)
             if w is not None and id(w) not in deps:
                 deps[id(w)] = w
                 raw.append(w)
             readers_s.setdefault(b, []).append(task)
-        for b in op.dst_ids:
+        for b in op.dst_ids if op.writes_local else ():
             w = writer_d.get(b)
             if w is not None:
                 deps[id(w)] = w
@@ -311,18 +311,19 @@ class Runtime:
         op = task.op
         self.tasks.pop(op.op_id, None)
         writer_d = self._writer[op.dst_tier]
-        for b in op.dst_ids:
+        for b in op.dst_ids if op.writes_local else ():
             if writer_d.get(b) is task:
                 del writer_d[b]
         readers_s = self._readers[op.src_tier]
-        for b in op.src_ids:
+        for b in op.src_ids if op.reads_local else ():
             lst = readers_s[b]  # registered in submit, once per source block
             lst.remove(task)
             if not lst:
                 del readers_s[b]
         m = self.metrics
         ok = task.state is TaskState.DONE
-        if ok:
+        # A peer transfer's bytes are what the peer asked for: kvflow.pd counts them.
+        if ok and op.kind not in REMOTE_KINDS:
             m.bytes[LINKS[(op.src_tier, op.dst_tier)]] += op.num_blocks * self.bytes_per_block
         elif task.state is TaskState.CANCELLED:
             m.cancelled += 1

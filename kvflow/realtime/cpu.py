@@ -299,6 +299,10 @@ class KeyedBlockExecutor:
         self.strict = strict
         self.verify_decode = verify_decode
         self.stats = ExecutorStats()
+        #: Called as ``layer_written(batch, layer)`` once a step has written (and spent
+        #: the compute time of) layer ``layer``, layers in order; the step then paces its
+        #: compute layer by layer. A prefill instance (``kvflow.pd``) sends each layer then.
+        self.layer_written: Callable[[Any, int], None] | None = None
         self._cache: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         self._cache_blocks = cache_blocks
 
@@ -359,6 +363,7 @@ class KeyedBlockExecutor:
         verifies, writes = self._work(batch)
         loop = asyncio.get_running_loop()
         pending = [t for t in waits if not t.finished or not t.ok]
+        layer_written = self.layer_written
         total = self.step_s + self.token_s * batch.tokens
         per_layer = total / self.num_layers
         bad: dict[tuple[Any, int], int] = {}
@@ -375,9 +380,11 @@ class KeyedBlockExecutor:
                         bad.setdefault((rid, idx[j]), layer)
             for ids, exp in writes:
                 dev[ids] = exp[:, layer]
-            if pending and per_layer > 0:
+            if (pending or layer_written) and per_layer > 0:
                 await asyncio.sleep(per_layer)
-        if not pending or per_layer == 0:
+            if layer_written is not None:
+                layer_written(batch, layer)
+        if not (pending or layer_written) or per_layer == 0:
             await asyncio.sleep(total)
         st = self.stats
         st.steps += 1
