@@ -177,7 +177,7 @@ def main() -> int:
         print(json.dumps(out["speed"], indent=1), flush=True)
     if a.table or everything:
         out["table"] = table(a.workers, tuple(a.slo), a.pool_gb)
-        print(f"| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded |")
+        print("| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded |")
         print("|---|---:|---:|---|---:|---|")
         for r in out["table"]:
             print(f"| {r['setting']} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s | "
