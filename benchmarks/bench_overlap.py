@@ -25,6 +25,14 @@ around each ``wait_layer``, in a separate probe pass). n is picked so that compu
 transfer, then n/2 and 2n are shown too; the batch case runs with the copy
 streams at the default priority and at the highest.
 
+``--upload memcpy,kernel`` measures each size with both ways of getting the
+step's metadata to the device (``GpuExecutor.upload``): a copy-engine memcpy
+queues behind the load, the upload kernel does not. ``--case
+LABEL:REQUESTS:BLOCKS[:N,N..]`` replaces the two default cases (repeatable;
+copy streams at the highest priority): e.g. the crossover between load and
+compute over context and new tokens, or a trace's worst load/compute ratio.
+One new token is a decode step (a request whose prompt was cached whole).
+
 Run: PYTHONPATH=. python benchmarks/bench_overlap.py [--json out.json]
 """
 
@@ -41,7 +49,7 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.backend import HIGHEST_PRIORITY, CudaBackend
-from kernels.compute import BackendTask
+from kernels.compute import UPLOAD_MODES, BackendTask
 from kernels.fast import DEFAULT_EXECUTOR, EXECUTORS, make_executor
 from kernels.model import StepItem, prompt_tokens
 from kvflow.layout import preset
@@ -52,12 +60,15 @@ from kvflow.radix import Tier
 async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: int,
               priority: int | None, sizes: list[int] | None,
               dma: str = "auto", eager_layers: int | None = 4,
-              executor: str = DEFAULT_EXECUTOR) -> dict[str, Any]:
-    """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in."""
+              executor: str = DEFAULT_EXECUTOR,
+              uploads: tuple[str, ...] = ("kernel",)) -> dict[str, Any]:
+    """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in;
+    each size measured once per metadata upload of ``uploads``."""
     cp = cupy_module()
     spec = preset(model, block_tokens=block_tokens)
     bt = block_tokens
-    extra = 2  # blocks per request for its new tokens (up to 2 * bt)
+    # blocks per request for its new tokens (at least 2: up to 2 * bt)
+    extra = max(2, -(-max(sizes) // bt)) if sizes else 2
     k = requests * blocks
     backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
                           dma=dma, eager_layers=eager_layers)
@@ -83,9 +94,10 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
                                                Tier.DEVICE, ids, ids, []))
 
     def items(n: int) -> list[StepItem]:
+        """n new tokens per request; n = 1 is a decode (a prompt cached whole)."""
         pos = blocks * bt
-        return [StepItem(r, False, prompt_tokens(keys[r], r, bt, pos, pos + n), pos, tables[r],
-                         True) for r in range(requests)]
+        return [StepItem(r, n == 1, prompt_tokens(keys[r], r, bt, pos, pos + n), pos,
+                         tables[r], True) for r in range(requests)]
 
     async def transfer_alone() -> float:
         a, b = cp.cuda.Event(), cp.cuda.Event()
@@ -162,21 +174,50 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
         sizes = sorted({max(cands[0], best // 2), best, min(cands[-1], best * 2)})
     rows = []
     for n in sizes:
-        t_c = await median(compute_alone, n)
-        t_t, enq, lag, submit = await median(together, n)
-        t_b = await median(beside, n)
-        stalled = await median(stalls, n)
-        eff = (t_x + t_c - t_t) / min(t_x, t_c)
-        rows.append({"new_tokens": n, "transfer_s": t_x, "compute_s": t_c, "together_s": t_t,
-                     "efficiency": eff, "enqueue_s": enq, "compute_beside_load_s": t_b,
-                     "step_start_lag_s": lag, "load_submit_s": submit,
-                     "stalled_on_load_s": stalled})
+        for up in uploads:
+            ex.upload = up
+            t_c = await median(compute_alone, n)
+            t_t, enq, lag, submit = await median(together, n)
+            t_b = await median(beside, n)
+            stalled = await median(stalls, n)
+            eff = (t_x + t_c - t_t) / min(t_x, t_c)
+            rows.append({"new_tokens": n, "upload": up, "transfer_s": t_x, "compute_s": t_c,
+                         "together_s": t_t, "efficiency": eff, "enqueue_s": enq,
+                         "compute_beside_load_s": t_b, "step_start_lag_s": lag,
+                         "load_submit_s": submit, "stalled_on_load_s": stalled})
     backend.synchronize()
     return {"model": spec.name, "layers": spec.num_layers, "block_tokens": bt,
             "executor": executor,
             "requests": requests, "blocks_per_request": blocks, "cached_blocks": k,
             "bytes": k * spec.bytes_per_block, "stream_priority": priority, "rows": rows,
             "copy_path": "batched memcpy" if backend.use_dma else "swap kernel"}
+
+
+def parse_case(text: str) -> tuple[str, int, int, list[int] | None]:
+    """``LABEL:REQUESTS:BLOCKS[:N,N..]`` -> (label, requests, cached blocks each, sizes)."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not parts[0].strip():
+        raise argparse.ArgumentTypeError(
+            f"--case {text!r}: expected LABEL:REQUESTS:BLOCKS[:N,N..]")
+    try:
+        requests, blocks = int(parts[1]), int(parts[2])
+        sizes = [int(n) for n in parts[3].split(",")] if len(parts) == 4 else None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--case {text!r}: {exc}") from None
+    if requests <= 0 or blocks <= 0 or (sizes is not None and min(sizes, default=0) <= 0):
+        raise argparse.ArgumentTypeError(
+            f"--case {text!r}: requests, blocks and new tokens must be positive")
+    return parts[0].strip(), requests, blocks, sizes
+
+
+def parse_uploads(text: str) -> tuple[str, ...]:
+    """``memcpy,kernel`` -> ('memcpy', 'kernel'), each one of ``UPLOAD_MODES``."""
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in UPLOAD_MODES]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(
+            f"--upload {text!r}: a comma-separated list of {', '.join(UPLOAD_MODES)}")
+    return modes
 
 
 def main() -> None:
@@ -192,20 +233,31 @@ def main() -> None:
                     help="the step's compute: fast (cuBLAS + fast.cu) or exact (compute.cu)")
     ap.add_argument("--eager-layers", type=int, default=4,
                     help="layers of a load CudaBackend enqueues at submit (0: all)")
+    ap.add_argument("--upload", type=parse_uploads, default=("kernel",),
+                    help="step metadata upload(s) to measure: kernel, memcpy or both "
+                         "(memcpy,kernel)")
+    ap.add_argument("--sizes", default=None,
+                    help="new tokens per request, comma-separated (default: scanned)")
+    ap.add_argument("--case", type=parse_case, action="append", default=None,
+                    help="LABEL:REQUESTS:BLOCKS[:N,N..], instead of the default cases")
     args = ap.parse_args()
+    t0, c0 = time.perf_counter(), time.process_time()
     eager = args.eager_layers or None
-    # (label, requests, cached blocks each, stream priorities)
-    cases = [("batch", 8, 2, (None, HIGHEST_PRIORITY)), ("long context", 1, 16,
-                                                          (HIGHEST_PRIORITY,))]
+    forced = [int(n) for n in args.sizes.split(",")] if args.sizes else None
+    # (label, requests, cached blocks each, stream priorities, sizes)
+    cases = [("batch", 8, 2, (None, HIGHEST_PRIORITY), forced),
+             ("long context", 1, 16, (HIGHEST_PRIORITY,), forced)]
     if args.quick:
         cases = cases[:1]
+    if args.case:
+        cases = [(label, reqs, blocks, (HIGHEST_PRIORITY,), sizes or forced)
+                 for label, reqs, blocks, sizes in args.case]
     results = []
-    for label, reqs, blocks, prios in cases:
-        sizes = None
+    for label, reqs, blocks, prios, sizes in cases:
         for prio in prios:
             r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
-                                sizes, args.copy_engine, eager, args.executor))
-            sizes = [row["new_tokens"] for row in r["rows"]]  # same sizes for each priority
+                                sizes, args.copy_engine, eager, args.executor, args.upload))
+            sizes = sorted({row["new_tokens"] for row in r["rows"]})  # same for each priority
             r["case"] = label
             results.append(r)
     print(f"\n{results[0]['model']} ({results[0]['layers']} layers, {args.block_tokens}-token "
@@ -213,21 +265,23 @@ def main() -> None:
           "request's next tokens")
     print(f"copy path: {results[0].get('copy_path')}; executor: {args.executor}; 'compute "
           "beside load': compute's GPU time while the same load runs, not waited on")
-    print("| case | copy streams | new tokens per request | transfer ms | compute ms | "
+    print("| case | copy streams | new tokens per request | upload | transfer ms | compute ms | "
           "together ms | overlap efficiency | CPU enqueue ms | compute beside load ms | "
           "step starts after load ms | CPU submit of load ms | stalled on load ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         case = (f"{r['case']}: {r['requests']} x {r['blocks_per_request']} blocks "
                 f"({r['bytes'] / 2**30:.2f} GiB)")
         for row in r["rows"]:
             print(f"| {case} | {'default' if r['stream_priority'] is None else 'highest'} "
-                  f"priority | {row['new_tokens']} | {row['transfer_s'] * 1e3:.2f} | "
+                  f"priority | {row['new_tokens']} | {row['upload']} | "
+                  f"{row['transfer_s'] * 1e3:.2f} | "
                   f"{row['compute_s'] * 1e3:.2f} | {row['together_s'] * 1e3:.2f} | "
                   f"{row['efficiency']:.1%} | {row['enqueue_s'] * 1e3:.2f} | "
                   f"{row['compute_beside_load_s'] * 1e3:.2f} | "
                   f"{row['step_start_lag_s'] * 1e3:.2f} | {row['load_submit_s'] * 1e3:.2f} | "
                   f"{row['stalled_on_load_s'] * 1e3:.3f} |")
+    print(f"wall {time.perf_counter() - t0:.1f} s, CPU {time.process_time() - c0:.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -753,3 +753,22 @@ kvflow_final(const u64 h_addr, const u64 rows_addr, const int hidden, const u64 
     out[2 * e + 1] = sum;
   }
 }
+
+// The step's packed metadata, host -> device, read by the SMs straight from pinned host
+// memory (mapped: unified addressing) instead of a cudaMemcpyAsync. Measured on an H100
+// (benchmarks/upload_under_load.py, results/gpu_overlap_fast.md): behind a 1 GiB
+// layer-wise load of batched memcpys, a memcpy of 32 KiB or more (or a second one of
+// 8 KiB) finished only when the whole load had, ~20 ms later, whatever the stream
+// priority, even with most of the load's layers enqueued after it; this kernel finished
+// within 1 ms. SM reads of a few tens of KB share the link with the load instead.
+// n16: 16-byte words (the packed buffer is 16-byte aligned and sized). Loads are .cv
+// (fetched again every time, never a cached line): the host rewrites the buffer each step.
+extern "C" __global__ void __launch_bounds__(256)
+kvflow_upload16(const u64 src_addr, const u64 dst_addr, const i64 n16) {
+  const uint4* src = reinterpret_cast<const uint4*>(src_addr);
+  uint4* dst = reinterpret_cast<uint4*>(dst_addr);
+  for (i64 i = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; i < n16;
+       i += static_cast<i64>(gridDim.x) * blockDim.x) {
+    dst[i] = __ldcv(src + i);
+  }
+}

@@ -52,7 +52,14 @@ _SKINNY_UPTO = 64
 
 _KERNELS = ("kvflow_gemm_bm64", "kvflow_gemm_bm128", "kvflow_gemm_skinny", "kvflow_attn_combine",
             "kvflow_embed", "kvflow_rmsnorm", "kvflow_kv_write", "kvflow_silu_mul",
-            "kvflow_final")
+            "kvflow_final", "kvflow_upload16")
+
+#: How a step's metadata reaches the device: ``kernel`` (SMs read the pinned host buffer,
+#: the default) or ``memcpy`` (``cudaMemcpyAsync``, a host -> device copy engine, where it
+#: queues behind the loads; kept to measure that). See ``upload_mode``.
+UPLOAD_MODES = ("kernel", "memcpy")
+#: Threads a CTA and most CTAs of the upload kernel (a few tens of KB a step).
+_UPLOAD_THREADS, _UPLOAD_MAX_CTAS = 256, 32
 
 
 def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -60,6 +67,24 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ConfigError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     return value
+
+
+def upload_mode(value: str | None = None) -> str:
+    """``value`` if given, else ``KVFLOW_UPLOAD`` from the environment, else ``kernel``;
+    ``ConfigError`` unless one of ``UPLOAD_MODES``."""
+    if value is None:
+        return _env_choice("KVFLOW_UPLOAD", UPLOAD_MODES[0], UPLOAD_MODES)
+    if value not in UPLOAD_MODES:
+        raise ConfigError(f"upload must be one of {', '.join(UPLOAD_MODES)}, got {value!r}")
+    return value
+
+
+def upload_grid(size: int) -> tuple[int, int]:
+    """(CTAs, 16-byte words) of the upload kernel for ``size`` bytes (a multiple of 16)."""
+    if size <= 0 or size % 16:
+        raise ValueError(f"the packed metadata is a positive multiple of 16 bytes, got {size}")
+    n16 = size // 16
+    return min(-(-n16 // _UPLOAD_THREADS), _UPLOAD_MAX_CTAS), n16
 
 
 def _set_done(fut: asyncio.Future[None]) -> None:
@@ -104,7 +129,10 @@ class GpuExecutor(PagedExecutorBase):
     ``attn_keys``: keys per attention tile, 16 or 32 (numbers differ between the
     two, never between batchings); ``skinny``: steps of at most 64 tokens use
     the decode GEMM (same numbers). Both default to ``KVFLOW_ATTN_KEYS`` /
-    ``KVFLOW_GEMM_SKINNY`` from the environment, else 32 / on.
+    ``KVFLOW_GEMM_SKINNY`` from the environment, else 32 / on. ``upload``: how
+    the step's metadata reaches the device (``UPLOAD_MODES``, ``upload_mode``):
+    by a kernel reading pinned host memory, so that it never waits behind a
+    load on the copy engine; the attribute may be changed between steps.
     Call from the event loop's thread.
     """
 
@@ -114,13 +142,14 @@ class GpuExecutor(PagedExecutorBase):
     def __init__(self, backend: CudaBackend, *, seed: int = 0, max_tokens: int = 1024,
                  decode_split: int = DECODE_SPLIT, record_rows: bool = False,
                  weights: list[dict[str, Any]] | None = None, attn_keys: int | None = None,
-                 skinny: bool | None = None) -> None:
+                 skinny: bool | None = None, upload: str | None = None) -> None:
         cp = cupy_module()
         self._cp = cp
         shape = ModelShape.from_spec(backend.spec)
         super().__init__(shape, decode_split)
         self.backend = backend
         self.device = backend.device
+        self.upload = upload_mode(upload)
         self.record_rows = record_rows
         self.rows: dict[Hashable, list[np.ndarray]] = {}
         self.busy_s = 0.0           # GPU time of all steps (events)
@@ -259,9 +288,15 @@ class GpuExecutor(PagedExecutorBase):
         self._ensure(plan.num_tokens, max(plan.num_partials, 1), size,
                      max(len(plan.emit_ids), 1))
         _, off = pack_step(plan, self._meta_host)
-        cp.cuda.runtime.memcpyAsync(int(self._meta_dev.data.ptr), int(self._meta_mem.ptr), size,
-                                    _H2D, self.stream.ptr)
-        base = int(self._meta_dev.data.ptr)
+        src, dst = int(self._meta_mem.ptr), int(self._meta_dev.data.ptr)
+        if self.upload == "kernel":  # SMs, not a copy engine: never behind a load's copies
+            ctas, n16 = upload_grid(size)
+            self._fn["kvflow_upload16"]((ctas,), (_UPLOAD_THREADS,),
+                                        (np.uint64(src), np.uint64(dst), np.int64(n16)),
+                                        stream=self.stream)
+        else:
+            cp.cuda.runtime.memcpyAsync(dst, src, size, _H2D, self.stream.ptr)
+        base = dst
 
         def meta(name: str) -> np.uint64:
             return np.uint64(base + off[name])
