@@ -21,9 +21,11 @@ is theirs, every key it leaves out taken from the top level::
     host_gb = 512
 
 With groups, ``instances`` is their total (giving it too is allowed only if it
-agrees). Unknown keys, values of the wrong type or out of range, and files
-that cannot be read raise ``ConfigError`` naming the file and the key (and
-the group, by its place in the file, counting from 1).
+agrees). A group's ``profile`` is a preset or a profile TOML file, looked for
+from the working directory, then beside the cluster file. Unknown keys, values
+of the wrong type or out of range, and files that cannot be read raise
+``ConfigError`` naming the file and the key (and the group, by its place in
+the file, counting from 1).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvflow.errors import ConfigError
-from kvflow.profile import _toml_load, load_profile
+from kvflow.profile import PROFILES, _toml_load, load_profile
 
 __all__ = ["GROUP_KEYS", "InstanceGroup", "read_cluster_file"]
 
@@ -94,6 +96,8 @@ def read_cluster_file(path: str | os.PathLike[str], fields: dict[str, Any]
         if "count" not in table:
             raise ConfigError(f"{where}: key 'count' is missing (how many instances)")
         values = {k: _typed(where, k, v, hints[k]) for k, v in table.items()}
+        if "profile" in values:
+            values["profile"] = _profile_path(path, values["profile"])
         groups.append(_checked_group(where, InstanceGroup(**values)))
     return settings, tuple(groups)
 
@@ -114,6 +118,15 @@ def _typed(where: str, key: str, value: Any, hint: Any) -> Any:
             return value
     names = " or ".join(getattr(t, "__name__", str(t)) for t in allowed if t is not type(None))
     raise ConfigError(f"{where}: key {key!r} must be {names}, got {value!r}")
+
+
+def _profile_path(path: str, profile: str) -> str:
+    """A profile that is neither a preset nor a file from here, but a file beside the
+    cluster file, is that one."""
+    if profile in PROFILES or os.path.isabs(profile) or os.path.isfile(profile):
+        return profile
+    beside = os.path.join(os.path.dirname(os.path.abspath(path)), profile)
+    return beside if os.path.isfile(beside) else profile
 
 
 def _checked_group(where: str, g: InstanceGroup) -> InstanceGroup:

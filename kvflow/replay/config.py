@@ -202,14 +202,9 @@ class ReplayConfig:
     def _apply_cluster_file(self) -> None:
         """Take the cluster file's settings and groups (see ``cluster``)."""
         path = self.cluster
-        own = [f for f in dataclasses.fields(ReplayConfig) if f.init]
-        hints = typing.get_type_hints(ReplayConfig)
-        settings, groups = read_cluster_file(path, {f.name: hints[f.name] for f in own})
-        try:  # the file's values on their own, so that an error names the file
-            ReplayConfig(**settings)
-        except ConfigError as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-        defaults = {f.name: f.default for f in own}
+        assert path is not None
+        settings, groups = cluster_file_settings(path)
+        defaults = {f.name: f.default for f in dataclasses.fields(ReplayConfig) if f.init}
         for key, value in settings.items():
             given = getattr(self, key)
             if given == defaults[key]:
@@ -230,6 +225,19 @@ class ReplayConfig:
         return TierRequest(self.device_blocks, self.host_blocks, self.storage_blocks,
                            self.device_gb, self.host_gb, self.storage_gb,
                            self.max_batch_tokens + self.max_running, self.tp)
+
+
+def cluster_file_settings(path: str) -> tuple[dict[str, Any], tuple[InstanceGroup, ...]]:
+    """A cluster file's top-level settings (``ReplayConfig`` fields) and groups, each value
+    checked, on its own, as the config checks it (so that an error names the file)."""
+    own = [f for f in dataclasses.fields(ReplayConfig) if f.init]
+    hints = typing.get_type_hints(ReplayConfig)
+    settings, groups = read_cluster_file(path, {f.name: hints[f.name] for f in own})
+    try:
+        ReplayConfig(**settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return settings, groups
 
 
 @dataclass(frozen=True)
@@ -267,6 +275,16 @@ class Setup:
     skipped: int
     kinds: tuple[tuple[int | None, InstanceSpec], ...] = ()
     pool_blocks: int | None = None
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """What ``load.load_section`` needs to know of the instances' hardware beyond the
+        first instance's profile and tiers: their tensor parallelism, and the groups
+        where they differ."""
+        first = self.kinds[0][1] if self.kinds else InstanceSpec(self.profile, self.capacities)
+        if len(self.kinds) <= 1:
+            return {"tp": first.tp}
+        return {"tp": first.tp, "mix": [(count, s.profile, s.capacities, s.tp)
+                                        for count, s in self.kinds]}
 
     def instance_specs(self, instances: int) -> list[InstanceSpec]:
         """Each of ``instances`` instances' hardware, in order."""

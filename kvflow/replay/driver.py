@@ -93,7 +93,7 @@ def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
     if cfg.backend != "sim":
         return 1
     load = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
-                        cfg.max_batch_tokens, cfg.max_running, 1)
+                        cfg.max_batch_tokens, cfg.max_running, 1, **setup.load_kwargs())
     return int(load["instances_suggested"])
 
 
