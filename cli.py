@@ -63,22 +63,69 @@ def _instances(value: str, mode: str, backend: str) -> int | str:
         fail(f"--instances must be a whole number or 'auto', got {value!r}")
 
 
+#: ``ReplayConfig`` fields whose ``kvflow replay`` option is spelt otherwise.
+_OPTION_OF = {"duration_s": "duration", "slo_ttft_s": "slo_ttft", "slo_tpot_s": "slo_tpot",
+              "nic_latency_s": "nic_latency"}
+
+
+def _with_cluster_file(ctx: typer.Context, options: dict[str, Any], path: Path
+                       ) -> dict[str, Any]:
+    """``options`` with those the cluster file sets left to the file, unless given on the
+    command line, where they must agree with it (one place for each setting)."""
+    from kvflow.replay.config import cluster_file_settings
+
+    settings, groups = cluster_file_settings(str(path))
+    out = dict(options, cluster=str(path))
+    if groups:
+        settings = dict(settings, instances=sum(g.count for g in groups))
+    for key, value in settings.items():
+        param = _OPTION_OF.get(key, key)
+        source = ctx.get_parameter_source(param)  # (by name: typer may carry its own click)
+        if (source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+                and options[key] != value):
+            fail(f"--{param.replace('_', '-')} {options[key]} disagrees with {path}'s "
+                 f"{key} = {value!r}: give it in one place")
+        out.pop(key, None)
+    return out
+
+
 def print_summary(report: dict[str, Any], console: Console) -> None:
     """The replay's headline numbers as rich tables, the offered load beside them."""
     cfg = report["config"]
     n = cfg.get("instances", 1)
-    where = f"{n} x {cfg['profile']}" if n != 1 else cfg["profile"]
+
+    def gpus(profile: str | None, tp: int | None) -> str:
+        name = Path(profile or cfg["profile"]).stem
+        tp = tp or cfg.get("tp", 1)
+        return f"{name} (tp {tp})" if tp > 1 else name
+
+    if cfg.get("groups"):
+        where = " + ".join(f"{g['count']} x {gpus(g['profile'], g['tp'])}"
+                           for g in cfg["groups"])
+    else:
+        where = f"{n} x {gpus(None, None)}" if n != 1 else gpus(None, None)
     t = Table(title=f"kvflow replay — {Path(cfg['trace']).name}, {cfg['model']} on "
                     f"{where}, {cfg['mode']} mode")
     t.add_column("tier")
     t.add_column("blocks" if n == 1 else "blocks per instance", justify="right")
     t.add_column("hit rate", justify="right")
     t.add_column("evictions", justify="right")
+    pool = report.get("pool")
     for tier in ("device", "host", "storage"):
-        t.add_row(tier, f"{cfg[f'{tier}_blocks']:,}", f"{report['hit_rate'][tier]:.1%}",
-                  f"{report['evictions'][tier]:,}")
+        label = "pool (shared)" if tier == "storage" and pool else tier
+        t.add_row(label, f"{cfg[f'{tier}_blocks']:,}", f"{report['hit_rate'][tier]:.1%}",
+                  f"{report['evictions'][tier]:,}" if label == tier else f"{pool['evicted']:,}")
     t.add_row("total", "", f"{report['hit_rate']['total']:.1%}", "", style="bold")
     console.print(t)
+    if pool:
+        gate = pool["gate"]
+        held = "" if gate is None else (
+            f"; aggregate {gate['read']['bytes_per_s'] / 1e9:g} GB/s each way held reads "
+            f"back {gate['read']['held_s']:.1f} s, writes {gate['write']['held_s']:.1f} s "
+            "in all")
+        console.print(f"shared pool: {pool['blocks']:,} of {pool['capacity_blocks']:,} blocks "
+                      f"held, {pool['published']:,} written, {pool['evicted']:,} evicted, "
+                      f"{pool['imported_copies']:,} found by other instances{held}")
     if report.get("ttft_s"):
         world = "on the GPU" if cfg.get("backend") == "cuda" else "simulated"
         lat = Table(title=f"{report['requests']:,} requests in {report['sim_time_s']:.1f} s "
@@ -168,6 +215,7 @@ def _print_cluster(report: dict[str, Any], console: Console) -> None:
     "  kvflow replay trace.jsonl --host-gb 128 --eviction s3fifo --out report.json\n\n"
     "  kvflow replay trace.jsonl --mode cache --device-blocks 2000 --host-blocks 0"))
 def replay(
+    ctx: typer.Context,
     trace: Annotated[str | None, typer.Argument(
         help="Trace file (Mooncake JSONL, Azure CSV, generic JSONL; .gz ok) or "
              "sample:NAME. Default: the bundled 1k-request Mooncake sample.")] = None,
@@ -224,6 +272,27 @@ def replay(
         help="--backend cuda's compute: fast (cuBLAS GEMMs, FlashAttention-style paged "
              "attention) or exact (batch-invariant kernels, bit-identical outputs whatever "
              "the batching; 2-3.7x slower a step).")] = Executor.fast,
+    tp: Annotated[int, typer.Option(
+        help="GPUs per instance (tensor parallelism): weights and KV split that many ways, "
+             "one PCIe link per GPU, two all-reduces per layer.")] = 1,
+    pool_gb: Annotated[float | None, typer.Option(
+        help="A KV pool of this many GiB shared by every instance (Mooncake Store / 3FS "
+             "shape), in place of each instance's own storage.")] = None,
+    pool_blocks: Annotated[int | None, typer.Option(
+        help="The shared pool's size in blocks (instead of --pool-gb).")] = None,
+    pool_gb_per_s: Annotated[float | None, typer.Option(
+        help="The pool's aggregate bandwidth each way, GB/s (default: only the NICs "
+             "limit it).")] = None,
+    nic_gb_per_s: Annotated[float | None, typer.Option(
+        help="Each instance's network link to the pool, GB/s each way (default 50: one "
+             "400 Gb/s port).")] = None,
+    nic_latency: Annotated[float | None, typer.Option(
+        help="Latency of a request to the pool over that link, seconds (default 10e-6).")]
+    = None,
+    cluster: Annotated[Path | None, typer.Option(
+        help="A TOML file with these options' keys (instances, router, tp, pool_gb, ...) "
+             "and group tables for instances that differ; options given here too must "
+             "agree with it.")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
@@ -235,8 +304,8 @@ def replay(
         fail(f"{out} exists; pass --force to overwrite")
     console = Console(stderr=as_json)
     with user_errors(KvflowError):
-        cfg = ReplayConfig(
-            trace=str(resolve_path(trace)) if trace else None, model=model, profile=profile,
+        options: dict[str, Any] = dict(
+            model=model, profile=profile,
             device_blocks=device_blocks, host_blocks=host_blocks,
             storage_blocks=storage_blocks, device_gb=device_gb, host_gb=host_gb,
             storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
@@ -245,8 +314,13 @@ def replay(
             skip_bad=skip_bad, backend=backend.value,
             instances=_instances(instances, mode.value, backend.value), router=router,
             router_view=router_view, rate_scale=rate_scale, duration_s=duration, rate=rate,
-            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, tp=tp, pool_gb=pool_gb,
+            pool_blocks=pool_blocks, pool_gb_per_s=pool_gb_per_s, nic_gb_per_s=nic_gb_per_s,
+            nic_latency_s=nic_latency,
             executor=executor.value if backend is Backend.cuda else None)
+        if cluster is not None:
+            options = _with_cluster_file(ctx, options, resolve_path(str(cluster)))
+        cfg = ReplayConfig(trace=str(resolve_path(trace)) if trace else None, **options)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
                       transient=True) as bar:

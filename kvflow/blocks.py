@@ -17,26 +17,30 @@ class BlockPool:
 
     Free ids sit on a stack (recently freed ids are handed out first, which
     keeps the touched part of a real pool small); ``_used`` answers membership
-    in O(1) so double frees and foreign ids are caught.
+    in O(1) so double frees and foreign ids are caught. Ids never handed out are
+    not listed: they are ``_fresh .. capacity-1``, below the freed ones on the
+    stack, so a pool of a million blocks (a cluster's shared pool, seen by each
+    instance) costs a bytearray, not a list of a million ints.
     """
 
-    __slots__ = ("_free", "_used", "capacity", "name")
+    __slots__ = ("_free", "_fresh", "_used", "capacity", "name")
 
     def __init__(self, capacity: int, name: str = "pool") -> None:
         if not isinstance(capacity, int) or capacity < 0:
             raise ValueError(f"BlockPool capacity must be an integer >= 0, got {capacity!r}")
         self.name = name
         self.capacity = capacity
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._free: list[int] = []  # freed ids, the most recent last
+        self._fresh = 0  # the lowest id never handed out
         self._used = bytearray(capacity)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + self.capacity - self._fresh
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self._fresh - len(self._free)
 
     def is_used(self, block_id: int) -> bool:
         return 0 <= block_id < self.capacity and bool(self._used[block_id])
@@ -48,10 +52,18 @@ class BlockPool:
         if n == 0:
             return []
         free = self._free
-        if n > len(free):
-            raise PoolExhausted(self.name, n, len(free))
-        ids = free[-n:]
-        del free[-n:]
+        short = n - len(free)
+        if short <= 0:
+            ids = free[-n:]
+            del free[-n:]
+        else:  # the stack as if every id were on it: fresh ids, highest first, under the freed
+            fresh = self._fresh
+            if fresh + short > self.capacity:
+                raise PoolExhausted(self.name, n, self.num_free)
+            self._fresh = fresh + short
+            ids = list(range(fresh + short - 1, fresh - 1, -1))
+            ids += free
+            free.clear()
         used = self._used
         for i in ids:
             used[i] = 1

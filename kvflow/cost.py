@@ -16,6 +16,18 @@ stream the weights for little work), which divides the weight time.
 It ignores activations and the MoE effect that a large batch touches more
 than the active experts.
 
+**Tensor parallelism** (``tp`` = K > 1): an instance spans K GPUs, each
+holding 1/K of every layer's weights and of its attention heads and KV
+(Megatron-LM's split, Shoeybi et al. 2019, "Megatron-LM: Training
+Multi-Billion Parameter Language Models Using Model Parallelism", section 3):
+every GPU computes the whole batch against its share, so a layer's roofline
+time is divided by K; and each transformer layer then all-reduces its
+activations twice (after the attention block's output projection and after
+the MLP's second GEMM: the paper's "g" operators, two all-reduces per layer in
+the forward pass), which the GPUs wait for: ``2 * allreduce_s(tokens *
+hidden_size * 2 bytes)`` per layer, added to the roofline. KV heads fewer than
+K (replicated in practice) are still counted as split.
+
 It is pure arithmetic over a ``GpuProfile`` (``kvflow.profile``), so it lives in
 the core: the simulated world sleeps its times (``sim.executor``), calibration
 (``kernels.calibrate``) fits a profile to it, and a router can predict with it.
@@ -30,10 +42,29 @@ from kvflow.errors import ConfigError
 from kvflow.layout import ModelSpec
 from kvflow.profile import GpuProfile
 
-__all__ = ["WEIGHT_BYTES", "CostModel", "gemm_shape"]
+__all__ = ["ACTIVATION_BYTES", "WEIGHT_BYTES", "CostModel", "allreduce_s", "gemm_shape"]
 
 #: Bytes per weight: the cost model assumes bf16 weights.
 WEIGHT_BYTES = 2
+#: Bytes per activation element (bf16), what a tensor-parallel all-reduce moves.
+ACTIVATION_BYTES = 2
+
+
+def allreduce_s(nbytes: float, k: int, bytes_per_s: float, step_latency_s: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``k`` GPUs (0 for one GPU).
+
+    A ring all-reduce is a reduce-scatter then an all-gather, each ``k - 1``
+    steps moving ``nbytes / k`` per GPU: ``2 (k-1)/k * nbytes / bandwidth`` of
+    data plus ``2 (k-1)`` step latencies (the alpha-beta cost of the ring
+    algorithm, Thakur, Rabenseifner and Gropp 2005, "Optimization of
+    Collective Communication Operations in MPICH"). The data term is NCCL's
+    definition of bus bandwidth read backwards: nccl-tests (doc/PERFORMANCE.md)
+    reports ``busbw = algbw * 2 (n-1)/n`` for all-reduce so that busbw is the
+    per-GPU link speed; here ``bytes_per_s`` is that link (NVLink, one direction).
+    """
+    if k <= 1:
+        return 0.0
+    return 2 * (k - 1) / k * nbytes / bytes_per_s + 2 * (k - 1) * step_latency_s
 
 def gemm_shape(curve: Sequence[tuple[float, float]]) -> Callable[[float], float] | None:
     """GEMM efficiency at ``tokens`` rows relative to the curve's last point, or None.
@@ -75,16 +106,30 @@ class CostModel:
     ``(new_tokens, context_tokens_before)``, ``decode_contexts`` the context
     length of each decoding sequence. Constants are precomputed per
     (spec, profile) because a replay calls this ~10^5-10^6 times; inputs are
-    not validated on that path.
+    not validated on that path. ``tp``: GPUs the instance spans (tensor
+    parallelism, see the module docstring); 1 computes exactly what it did before
+    tensor parallelism existed, bit for bit.
     """
 
-    def __init__(self, spec: ModelSpec, profile: GpuProfile) -> None:
+    def __init__(self, spec: ModelSpec, profile: GpuProfile, tp: int = 1) -> None:
         if spec.active_params <= 0:
             raise ConfigError(
                 f"model {spec.name!r}: ModelSpec.active_params must be > 0 for the cost model"
             )
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor parallelism must be an integer >= 1, got {tp!r}")
+        hidden = spec.hidden_size or spec.num_attention_heads * spec.head_dim
+        if tp > 1 and hidden <= 0:
+            raise ConfigError(f"model {spec.name!r}: tensor parallelism needs its hidden size "
+                              "(ModelSpec.hidden_size) for the all-reduces")
         self.spec = spec
         self.profile = profile
+        self.tp = tp
+        #: Seconds of a layer's two all-reduces: fixed part, and per token computed.
+        self.allreduce_fixed_s = 2 * allreduce_s(0.0, tp, profile.nvlink_bytes_per_s,
+                                                 profile.nvlink_latency_s)
+        self.allreduce_s_per_token = 2 * (
+            allreduce_s(hidden * ACTIVATION_BYTES, tp, profile.nvlink_bytes_per_s, 0.0))
         self.num_layers = spec.num_layers
         params = spec.active_params / spec.num_layers
         heads = spec.num_attention_heads or spec.num_kv_heads
@@ -126,7 +171,10 @@ class CostModel:
                 shape = self._shape_cache[tokens] = self.gemm_shape(tokens)
             compute = self._sec_per_token * tokens / shape + self._sec_per_pair * attention_pairs
         memory = (self.weight_bytes + self.kv_bytes_per_token * kv_tokens) * self._sec_per_byte
-        return compute if compute > memory else memory
+        t = compute if compute > memory else memory
+        if self.tp == 1:
+            return t
+        return t / self.tp + self.allreduce_fixed_s + self.allreduce_s_per_token * tokens
 
     def layer_time(
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]

@@ -139,6 +139,7 @@ class ManagerStats:
     recomputed_blocks: int = 0
     rejected_plans: int = 0
     lost_copies: int = 0  # copies a tier reported gone (see ``lost``)
+    found_copies: int = 0  # copies another party wrote to a tier (see ``found``)
 
 
 @dataclass(frozen=True)
@@ -704,6 +705,67 @@ class CacheManager:
                 dropped += 1
         self.stats.lost_copies += dropped
         return dropped
+
+    def found(self, tier: Tier, items: Iterable[tuple[Hashable, Hashable | None]]) -> int:
+        """``tier`` holds these blocks now, written by someone else (a pool another
+        instance shares): record ready copies there, so they are matched and read like
+        the manager's own. The inverse of ``lost``.
+
+        ``items`` are ``(key, parent key or None)`` pairs, parents before children. A
+        block is recorded only where prefix closure allows it: a new node needs its parent
+        indexed and matchable (or recorded by this call); a block already holding a copy
+        on ``tier`` (ready or being written) stays as it is, and one being computed is
+        skipped, its children with it. Copies take blocks of ``tier``'s pool, evicting
+        per policy where it is full (never a block this call hangs a copy on or under),
+        as many as can be had, parents first; copy-outs those evictions start wait in
+        ``detached_ops``. Returns how many copies were recorded.
+        """
+        index = self.index
+        get = index.get
+        todo: list[tuple[Hashable, Hashable | None]] = []
+        fresh: set[Hashable] = set()
+        pinned: dict[int, Node] = {}
+        for key, parent_key in items:
+            if key in fresh:
+                continue
+            node = get(key)
+            if node is not None:
+                if node.state[tier] == ABSENT and node.matchable:
+                    todo.append((key, parent_key))
+                    pinned[id(node)] = node
+                continue
+            if parent_key is not None and parent_key not in fresh:
+                parent = get(parent_key)
+                if parent is None or not parent.matchable:
+                    continue
+                pinned[id(parent)] = parent
+            todo.append((key, parent_key))
+            fresh.add(key)
+        if not todo:
+            return 0
+        held = list(pinned.values())
+        for node in held:  # eviction below must not take what the copies hang on
+            index.ref(node)
+        ops: list[TransferOp] = []
+        ids = self._make_room(tier, min(len(todo), self._room(tier)), ops)
+        for node in reversed(held):
+            index.unref(node)
+        self.detached_ops.extend(ops)
+        added: set[Hashable] = set()
+        for (key, parent_key), block in zip(todo, ids, strict=False):
+            node = get(key)
+            if node is None:
+                parent = None
+                if parent_key is not None:
+                    parent = get(parent_key)
+                    if parent is None or not (parent.matchable or parent_key in added):
+                        self.pools[tier].free([block])
+                        continue
+                node = index.insert(key, parent)
+            index.set_copy(node, tier, block, READY)
+            added.add(key)
+        self.stats.found_copies += len(added)
+        return len(added)
 
     @staticmethod
     def _recompute_owner(op: TransferOp, node: Node) -> Plan | None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kvflow.errors import ConfigError
 
-__all__ = ["LINKS", "PROFILES", "GpuProfile", "Link", "load_profile"]
+__all__ = ["LINKS", "PROFILES", "GpuProfile", "Link", "load_profile", "tensor_parallel_links"]
 
 #: The link names of a node, in ``GpuProfile`` field order (also ``sim`` metrics keys).
 LINKS = ("h2d", "d2h", "storage_read", "storage_write")
@@ -80,6 +80,9 @@ class GpuProfile:
     bandwidth left while the other also carries data (``sim.hierarchy``).
     ``gemm_efficiency``: measured (tokens, fraction of peak) points of the
     weight GEMMs; empty in the presets (one rate, ``mfu``), see ``gemm_shape``.
+    ``nvlink_bytes_per_s`` is one GPU's NVLink bandwidth per direction and
+    ``nvlink_latency_s`` the latency of one step of a ring all-reduce over it:
+    what tensor parallelism's all-reduces cost (``kvflow.cost.allreduce_s``).
     """
 
     name: str
@@ -98,6 +101,13 @@ class GpuProfile:
     step_overhead_per_prefill_s: float = 0.0
     pcie_duplex: float = 1.0
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
+    # NVIDIA H100 SXM5 datasheet: NVLink 900 GB/s per GPU, both directions together,
+    # i.e. 450 GB/s each way (H200 SXM: the same).
+    nvlink_bytes_per_s: float = 450e9
+    # One ring step's latency (a hop and a kernel's share of its launch): an assumption
+    # of the order nccl-tests reports for small all-reduces inside one node (~10-20 us
+    # for 8 GPUs, 14 steps); calibrate it.
+    nvlink_latency_s: float = 1e-6
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -122,7 +132,8 @@ def _problem(key: str, value: Any) -> str | None:
         return None if 0 < value <= 1 else f"must be in (0, 1], got {value!r}"
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
-    if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s"):
+    if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s",
+               "nvlink_latency_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 
@@ -179,14 +190,28 @@ PROFILES: dict[str, GpuProfile] = {
         storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S),
     # NVIDIA A100 SXM4 80GB datasheet: BF16 tensor 312 TFLOP/s dense, HBM2e
     # 2,039 GB/s, 80 GB. PCIe Gen4 x16 (32 GB/s raw per direction): pinned
-    # copies reach ~25 GB/s each way in cuda-samples' bandwidthTest.
+    # copies reach ~25 GB/s each way in cuda-samples' bandwidthTest. NVLink 600 GB/s
+    # per GPU (both directions), 300 GB/s each way.
     "a100": GpuProfile(
         name="a100", peak_bf16_flops=312e12, mfu=0.5, hbm_bytes_per_s=2.039e12,
         memory_bytes=80e9, h2d=Link(25e9, _PCIE_LATENCY_S), d2h=Link(25e9, _PCIE_LATENCY_S),
-        storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S),
+        storage_read=_NVME_READ, storage_write=_NVME_WRITE, step_overhead_s=_STEP_OVERHEAD_S,
+        nvlink_bytes_per_s=300e9),
 }
 
 _LINK_KEYS = {f.name for f in fields(Link)}
+
+
+def tensor_parallel_links(profile: GpuProfile, tp: int) -> GpuProfile:
+    """The node links of an instance spanning ``tp`` GPUs: each GPU has its own PCIe
+    link and copies its 1/tp of every block over it, all at once, so the instance's
+    host <-> device bandwidth is ``tp`` times one GPU's (latency unchanged: the GPUs'
+    copies run side by side). Storage stays the node's. ``tp`` 1: ``profile`` itself."""
+    if tp == 1:
+        return profile
+    return replace(profile,
+                   h2d=replace(profile.h2d, bandwidth_Bps=profile.h2d.bandwidth_Bps * tp),
+                   d2h=replace(profile.d2h, bandwidth_Bps=profile.d2h.bandwidth_Bps * tp))
 
 
 def load_profile(name_or_path: str | os.PathLike[str]) -> GpuProfile:

@@ -64,17 +64,29 @@ class TierRequest:
     storage_gb: float | None = None
     #: Most tokens one engine step computes (workspace a GPU world must leave free).
     max_step_tokens: int = 8192
+    #: GPUs one instance spans (tensor parallelism): KV and weights split that many ways.
+    tp: int = 1
 
 
 @dataclass(frozen=True)
 class WorldSetup:
-    """What a world is started with: the model, the GPU profile, the tiers, the seed."""
+    """What a world is started with: the model, the GPU profile, the tiers, the seed.
+
+    ``tp``: GPUs the instance spans (tensor parallelism; ``profile``'s links are the
+    instance's already, ``kvflow.profile.tensor_parallel_links``), for the cost model.
+    ``admit``: a gate on storage transfers, ``admit(op, nbytes, now) -> earliest start``,
+    shared by the instances of a cluster whose storage is one pool with an aggregate
+    bandwidth (``kvflow.cluster.pool.PoolGate``); a world that cannot honour it is
+    never given one (the replay's config allows a pool in the simulated world only).
+    """
 
     spec: ModelSpec
     profile: GpuProfile
     capacities: Capacities
     seed: int = 0
     max_step_tokens: int = 8192
+    tp: int = 1
+    admit: Callable[[Any, float, float], float] | None = None
 
 
 @runtime_checkable
@@ -173,13 +185,21 @@ def weight_bytes(spec: ModelSpec) -> float:
     return spec.active_params * 2
 
 
-def default_device_blocks(spec: ModelSpec, profile: GpuProfile) -> int:
-    """KV blocks in the profile's GPU memory once weights are in, as engines reserve it."""
-    free = profile.memory_bytes * GPU_MEMORY_UTILIZATION - weight_bytes(spec)
+def default_device_blocks(spec: ModelSpec, profile: GpuProfile, tp: int = 1) -> int:
+    """KV blocks in the profile's GPU memory once weights are in, as engines reserve it.
+
+    ``tp`` GPUs (tensor parallelism) hold the weights once between them and each
+    holds 1/tp of every block (its share of the KV heads), so a block stays the
+    model's whole block and the tier counts ``(tp * memory * 0.9 - weights) /
+    bytes_per_block`` of them.
+    """
+    memory = profile.memory_bytes * tp if tp > 1 else profile.memory_bytes
+    free = memory * GPU_MEMORY_UTILIZATION - weight_bytes(spec)
     blocks = int(free // spec.bytes_per_block)
     if blocks <= 0:
+        gpus = f"{tp} x " if tp > 1 else ""
         raise ConfigError(
-            f"model {spec.name} does not fit on {profile.name} "
+            f"model {spec.name} does not fit on {gpus}{profile.name} "
             f"({profile.memory_bytes / GiB:.0f} GiB): give --device-blocks explicitly")
     return blocks
 
@@ -201,7 +221,7 @@ def default_capacities(spec: ModelSpec, profile: GpuProfile, want: TierRequest) 
     memory and 2 TB of storage (the simulated world's sizes, and cache mode's)."""
     return Capacities(
         sized(want.device_blocks, want.device_gb, spec,
-              lambda: default_device_blocks(spec, profile)),
+              lambda: default_device_blocks(spec, profile, want.tp)),
         sized(want.host_blocks, want.host_gb, spec,
               lambda: blocks_for_gb(DEFAULT_HOST_GB, spec)),
         sized(want.storage_blocks, want.storage_gb, spec,

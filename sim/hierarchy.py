@@ -41,7 +41,9 @@ CUDA stream waiting on another stream's event.
   every op in after)``; its data moves once the link is free and the latency
   has passed, ``s = max(link free, r + latency_s)``, and it lands at ``s +
   bytes / bandwidth_Bps``. A stream of back-to-back requests pays the latency
-  once and then runs at full bandwidth.
+  once and then runs at full bandwidth. A backend given an admission gate
+  (``SimBackend.admit``: a cluster's shared pool) takes the gate's time as the
+  op's submit time, so its units are issued no earlier.
 
 ``busy_s`` in ``metrics()`` counts the time a link spends on units (latency
 included only where it occupies the link), so ``busy_s / elapsed`` is its
@@ -397,6 +399,10 @@ class SimBackend:
         self._inflight = 0
         self.failed = 0
         self.cancelled = 0
+        #: Admission gate (``kvflow.world.WorldSetup.admit``): ``admit(op, bytes, now)`` gives
+        #: the earliest time an op's data may be issued (its ``submitted_at``); a pool shared
+        #: with other backends limits them all this way. None: issued at submit.
+        self.admit: Callable[[TransferOp, float, float], float] | None = None
 
     def inject_failure(self, predicate: Callable[[TransferOp], bool | int | None] | None) -> None:
         """Set (or with ``None`` clear) the failure predicate for ops submitted from now on."""
@@ -437,8 +443,11 @@ class SimBackend:
                         "expected None, a bool or an int >= 0"
                     )
                 fail_after = min(k, self.num_layers - 1)
-        h = SimTransfer(self, server, op, sink, deps,
-                        op.num_blocks * self._bytes_per_layer_block, self.env._now, fail_after)
+        nbytes = op.num_blocks * self._bytes_per_layer_block
+        now = self.env._now
+        if self.admit is not None:
+            now = self.admit(op, nbytes * self.num_layers, now)
+        h = SimTransfer(self, server, op, sink, deps, nbytes, now, fail_after)
         server.ops += 1
         self._inflight += 1
         server.queue.append(h)

@@ -43,7 +43,8 @@ class SimSite:
         spec = setup.spec
         self.backend = SimBackend(loop.env, spec,  # type: ignore[attr-defined]
                                   Hierarchy.from_profile(setup.profile))
-        self.executor = SimExecutor(CostModel(spec, setup.profile), spec.num_layers)
+        self.backend.admit = setup.admit
+        self.executor = SimExecutor(CostModel(spec, setup.profile, setup.tp), spec.num_layers)
         self.clock = loop.time
         self.service_s = sim_service_s
 

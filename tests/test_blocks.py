@@ -62,3 +62,42 @@ def test_accounting_under_random_ops(ops, cap):
         assert p.num_used == len(held)
     p.free(held)
     assert p.num_free == cap
+
+
+class _StackPool:
+    """The pool as it was before ids never handed out stopped being listed: every free id
+    on one stack, highest first. The lazy pool must hand out exactly what it did."""
+
+    def __init__(self, cap: int) -> None:
+        self.free_ids = list(range(cap - 1, -1, -1))
+
+    def allocate(self, n: int) -> list[int]:
+        ids = self.free_ids[-n:] if n else []
+        del self.free_ids[len(self.free_ids) - n:]
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        self.free_ids.extend(ids)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 6), st.integers(0, 5)), max_size=60),
+       st.integers(0, 20))
+def test_same_ids_as_a_pool_listing_every_free_id(ops, cap):
+    p, ref = BlockPool(cap), _StackPool(cap)
+    held: list[int] = []
+    for alloc, k, at in ops:
+        if alloc and k <= p.num_free:
+            ids = p.allocate(k)
+            assert ids == ref.allocate(k)
+            held += ids
+        elif not alloc:
+            give = held[at:at + k]
+            del held[at:at + k]
+            p.free(give)
+            ref.free(give)
+        assert p.num_free == len(ref.free_ids) and p.num_used == cap - len(ref.free_ids)
+
+
+def test_a_large_pool_lists_no_ids():
+    p = BlockPool(10**7)
+    assert p.num_free == 10**7 and p.allocate(3) == [2, 1, 0] and p.num_used == 3

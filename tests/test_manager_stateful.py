@@ -1,6 +1,8 @@
 """Random sequences of plan / commit / finish / complete over every policy and tier mix,
 plus the waiting-request paths: prefetch at arrival, release at admission or when
-dropped, best-effort plans (``use_storage=False``) and storage reads that lose blocks.
+dropped, best-effort plans (``use_storage=False``), storage reads that lose blocks,
+and a pool shared with other instances (``found`` copies appear, ``lost`` ones go at
+any time).
 
 After every step the manager must hold every invariant of DESIGN.md; at the
 end, with every reservation released, every request finished and every op
@@ -10,8 +12,9 @@ The machine only does what ``kvflow.engine`` may do: a plan's
 ``use_storage`` follows the manager's prefetch policy (``not best_effort``),
 as the engine's does; a waiting request is planned with the keys it was
 prefetched with and its reservation released once the plan holds what it
-needs (kept when the plan is refused); ``lost`` is called only as the runtime
-calls it, right after a storage read failed, for some of that read's keys.
+needs (kept when the plan is refused); ``lost`` is called as the runtime calls it,
+right after a storage read failed, for some of that read's keys, and as a shared pool
+does (``kvflow.cluster.pool``), for any storage copy at any time.
 """
 
 from hypothesis import settings
@@ -125,6 +128,28 @@ class ManagerMachine(RuleBasedStateMachine):
         gone = [k for j, k in enumerate(op.keys) if mask >> (j % 4) & 1]
         if gone:
             self.m.lost(Tier.STORAGE, gone)
+
+    @rule(keys=prompts, again=st.none() | st.integers(0, 100), cut=st.integers(1, 5))
+    def found(self, keys, again, cut):
+        """A pool shared with other instances holds a prompt's first blocks (another
+        instance wrote them): they become storage copies here, where closure allows."""
+        if again is not None and self.seen:
+            keys = self.seen[again % len(self.seen)]
+        items = [(k, k[:-1] or None) for k in keys[:cut]]
+        before = sum(1 for n in self.m.index if n.state[Tier.STORAGE] != ABSENT)
+        added = self.m.found(Tier.STORAGE, items)
+        after = sum(1 for n in self.m.index if n.state[Tier.STORAGE] != ABSENT)
+        assert after - before <= added  # (evictions to make room may take some)
+        assert added <= len(items)
+        self.ops += self.m.detached_ops
+        self.m.detached_ops.clear()
+
+    @precondition(lambda self: any(n.state[Tier.STORAGE] != ABSENT for n in self.m.index))
+    @rule(i=st.integers(0, 100))
+    def pool_evicts(self, i):
+        """The shared pool evicts a block at any time: every instance's view drops it."""
+        held = [n.key for n in self.m.index if n.state[Tier.STORAGE] != ABSENT]
+        self.m.lost(Tier.STORAGE, [held[i % len(held)]])
 
     @precondition(lambda self: self.open)
     @rule(i=st.integers(0, 100), done=st.booleans())

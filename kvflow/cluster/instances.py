@@ -11,7 +11,7 @@ router's exact view current. Nothing here reaches into an engine's state.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 from kvflow.cluster.router import InstanceView, Prediction, Router, make_router
@@ -61,28 +61,46 @@ def prediction(cost: CostModel, profile: GpuProfile, max_batch_tokens: int,
 class Cluster:
     """The instances of a replay and the router in front of them."""
 
-    def __init__(self, cfg: Any, setup: Any, parts: Sequence[Any]) -> None:
+    def __init__(self, cfg: Any, setup: Any, parts: Sequence[Any],
+                 lookup: Callable[[CacheManager, Sequence[Hashable]],
+                                  tuple[int, int, int]] | None = None) -> None:
+        """``lookup``: an instance's cached prefix per tier as the exact view sees it
+        (default ``tier_hits``; a shared pool adds what it holds)."""
         self.engines: list[Engine] = [p.engine for p in parts]
-        spec, caps = setup.spec, setup.capacities
+        spec = setup.spec
         requests = setup.requests
         mean_prompt = (sum(r.input_len for r in requests) / len(requests)) if requests else 0.0
-        cost = CostModel(spec, setup.profile)
-        predict = prediction(cost, setup.profile, cfg.max_batch_tokens, mean_prompt / 2,
-                             min(cfg.max_running, 32))
+        predictions: dict[tuple[int, int], Prediction] = {}
+
+        def predict_for(profile: GpuProfile, tp: int) -> Prediction:
+            key = (id(profile), tp)
+            if key not in predictions:
+                predictions[key] = prediction(CostModel(spec, profile, tp), profile,
+                                              cfg.max_batch_tokens, mean_prompt / 2,
+                                              min(cfg.max_running, 32))
+            return predictions[key]
+
+        specs = setup.instance_specs(len(parts))
+        predict = predict_for(specs[0].profile, specs[0].tp)
+        mixed = any(s.profile is not specs[0].profile or s.tp != specs[0].tp for s in specs)
+        find = lookup or tier_hits
         bt = spec.block_tokens
         views = []
         for i, p in enumerate(parts):
             mgr: CacheManager = p.runtime.manager
+            caps = mgr.capacities
             log = p.log
+            own = predict_for(specs[i].profile, specs[i].tp)
 
-            def backlog(log: Any = log) -> tuple[float, float]:
+            def backlog(log: Any = log, own: Prediction = own) -> tuple[float, float]:
                 b = log.inflight_blocks
-                return (b["h2d"] * predict.h2d_s_per_block,
-                        b["storage_read"] * predict.storage_s_per_block)
+                return (b["h2d"] * own.h2d_s_per_block,
+                        b["storage_read"] * own.storage_s_per_block)
 
             views.append(InstanceView(
                 i, bt, caps.device + caps.host,
-                lookup=lambda keys, mgr=mgr: tier_hits(mgr, keys), backlog_s=backlog))
+                lookup=lambda keys, mgr=mgr: find(mgr, keys), backlog_s=backlog,
+                predict=own if mixed else None))
         self.router: Router = make_router(cfg.router, views, cfg.router_view, predict, cfg.seed)
         for i, engine in enumerate(self.engines):
             engine.on_first_token = self._first_token_hook(i, engine.on_first_token)

@@ -71,6 +71,8 @@ class InstanceView:
     lookup: Callable[[Sequence[Hashable]], tuple[int, int, int]] | None = None
     #: Exact view: seconds of transfers queued on (h2d, storage read) links now.
     backlog_s: Callable[[], tuple[float, float]] | None = None
+    #: This instance's own predictions where instances differ (None: the router's).
+    predict: Prediction | None = None
     pending_prefill_tokens: int = 0
     decode_blocks: int = 0
     routed: int = 0
@@ -159,7 +161,7 @@ class Router:
                 seen[k] = None
         while len(seen) > v.capacity_blocks:
             seen.popitem(last=False)
-        p = self.predict
+        p = v.predict or self.predict
         if p is None:
             return
         cached_tokens = min(req.input_len, sum(hits) * v.block_tokens)
@@ -171,8 +173,8 @@ class Router:
 
     def _age(self, now: float) -> None:
         """Approx view: what the record predicts has happened by ``now``."""
-        p = self.predict
         for v in self.views:
+            p = v.predict or self.predict
             if p is not None:
                 left = max(0.0, v.busy_until - now)
                 v.pending_prefill_tokens = int(left / p.queue_s_per_token) \
@@ -247,7 +249,7 @@ class TtftRouter(Router):
     name = "ttft"
 
     def predicted_ttft(self, v: InstanceView, req: EngineRequest) -> float:
-        p = self.predict
+        p = v.predict or self.predict
         assert p is not None
         hits = self.hits(v, req.keys)
         self._hits[v.index] = hits

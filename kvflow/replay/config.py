@@ -7,10 +7,13 @@ before any trace is read.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from collections.abc import Hashable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kvflow.engine import EngineRequest
 from kvflow.errors import ConfigError
@@ -18,8 +21,9 @@ from kvflow.hashing import BlockHasher, ExtraKeys
 from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import PrefetchPolicy, WritePolicy
-from kvflow.profile import GpuProfile, load_profile
-from kvflow.world import WORLDS, TierRequest, World, default_capacities
+from kvflow.profile import GpuProfile, Link, load_profile, tensor_parallel_links
+from kvflow.replay.cluster_file import InstanceGroup, read_cluster_file
+from kvflow.world import WORLDS, TierRequest, World, blocks_for_gb, default_capacities
 from traces import Request, open_trace, sample_path
 from traces.reshape import bound, poisson_arrivals, rate_scale
 
@@ -29,6 +33,13 @@ BACKENDS = tuple(WORLDS)
 #: Compute of the cuda world (``kernels.fast``): "fast" (cuBLAS + FlashAttention-style, the
 #: default) or "exact" (batch-invariant, bit-identical whatever the batching).
 EXECUTORS = ("fast", "exact")
+#: An instance's link to a shared pool, where none is given: one 400 Gb/s port (50 GB/s;
+#: NVIDIA DGX H100 datasheet: eight single-port ConnectX-7 400 Gb/s for the compute
+#: fabric, one per GPU). Bandwidths are decimal GB/s (1e9 bytes), sizes GiB as elsewhere.
+DEFAULT_NIC_GB_PER_S = 50.0
+#: Its latency per request: an assumption (an RDMA round trip is a few microseconds; a
+#: pool's lookup of the object adds some); calibrate it.
+DEFAULT_NIC_LATENCY_S = 10e-6
 
 
 @dataclass
@@ -79,8 +90,30 @@ class ReplayConfig:
     # -- the cuda world ---------------------------------------------------------------------
     #: Its executor (``EXECUTORS``); None: "fast".
     executor: str | None = None
+    # -- the instances' hardware ----------------------------------------------------------------
+    #: GPUs each instance spans (tensor parallelism): weights and KV split that many ways,
+    #: one PCIe link per GPU, two all-reduces per layer (``kvflow.cost``).
+    tp: int = 1
+    # -- a KV pool shared by the cluster (``kvflow.cluster.pool``) ---------------------------
+    #: Its size (blocks or GiB); None for both: no pool, each instance its own storage.
+    pool_blocks: int | None = None
+    pool_gb: float | None = None
+    #: Its aggregate bandwidth each way, GB/s (None: only the instances' NICs bound it).
+    pool_gb_per_s: float | None = None
+    #: Each instance's NIC to it: GB/s each way and latency per request (defaults:
+    #: ``DEFAULT_NIC_GB_PER_S``, ``DEFAULT_NIC_LATENCY_S``).
+    nic_gb_per_s: float | None = None
+    nic_latency_s: float | None = None
+    # -- the cluster from a TOML file (``kvflow.replay.cluster_file``) ----------------------
+    #: Its top-level keys set these fields (those left at their defaults; a field given
+    #: another value here and in the file is an error); its ``[[group]]`` tables, if any,
+    #: make the instances heterogeneous (``groups``).
+    cluster: str | None = None
+    groups: tuple[InstanceGroup, ...] = field(default=(), init=False)
 
     def __post_init__(self) -> None:
+        if self.cluster is not None:
+            self._apply_cluster_file()
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}")
         if self.backend not in BACKENDS:
@@ -130,20 +163,122 @@ class ReplayConfig:
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
                                       and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
+        self._check_hardware()
         # Fail early, with the field named, rather than mid-replay.
         WritePolicy(self.write_policy, threshold=self.write_threshold)
         PrefetchPolicy(self.prefetch_policy)
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether the instances share a pool instead of each having its own storage."""
+        return self.pool_blocks is not None or self.pool_gb is not None
+
+    def _check_hardware(self) -> None:
+        """Tensor parallelism and the shared pool."""
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp must be an integer >= 1, got {self.tp!r}")
+        if self.backend != "sim" and (self.tp > 1 or any((g.tp or 1) > 1 for g in self.groups)):
+            raise ConfigError("tensor parallelism (tp > 1) runs in the simulated world only "
+                              "(backend 'sim')")
+        v = self.pool_blocks
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"pool_blocks must be an integer >= 1, got {v!r}")
+        for name in ("pool_gb", "pool_gb_per_s", "nic_gb_per_s", "nic_latency_s"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < 0 or (v == 0 and name != "nic_latency_s"):
+                low = ">= 0" if name == "nic_latency_s" else "> 0"
+                raise ConfigError(f"{name} must be a finite number {low}, got {v!r}")
+        if self.pool_blocks is not None and self.pool_gb is not None:
+            raise ConfigError("give pool_blocks or pool_gb, not both")
+        if not self.has_pool:
+            given = [n for n in ("pool_gb_per_s", "nic_gb_per_s", "nic_latency_s")
+                     if getattr(self, n) is not None]
+            given += [f"nic_* of group {i}" for i, g in enumerate(self.groups, 1)
+                      if g.nic_gb_per_s is not None or g.nic_latency_s is not None]
+            if given:
+                raise ConfigError(f"{', '.join(given)} need a shared pool: give pool_gb or "
+                                  "pool_blocks")
+            return
+        if self.backend != "sim" or self.mode != "full":
+            raise ConfigError("a shared pool runs in full mode in the simulated world only "
+                              "(mode 'full', backend 'sim')")
+        local = [n for n in ("storage_blocks", "storage_gb") if getattr(self, n) is not None]
+        local += [f"storage_* of group {i}" for i, g in enumerate(self.groups, 1)
+                  if g.storage_blocks is not None or g.storage_gb is not None]
+        if local:
+            raise ConfigError(f"{', '.join(local)} and a shared pool: with a pool, the pool is "
+                              "every instance's storage (drop one)")
+
+    def _apply_cluster_file(self) -> None:
+        """Take the cluster file's settings and groups (see ``cluster``)."""
+        path = self.cluster
+        assert path is not None
+        settings, groups = cluster_file_settings(path)
+        defaults = {f.name: f.default for f in dataclasses.fields(ReplayConfig) if f.init}
+        for key, value in settings.items():
+            given = getattr(self, key)
+            if given == defaults[key]:
+                setattr(self, key, value)
+            elif given != value:
+                raise ConfigError(f"{path}: key {key!r} = {value!r}, but {key}={given!r} is "
+                                  "given too: give it in one place")
+        if groups:
+            total = sum(g.count for g in groups)
+            if self.instances not in (defaults["instances"], total):
+                raise ConfigError(f"{path}: its groups hold {total} instances, but "
+                                  f"instances={self.instances!r} is given")
+            self.instances = total
+        self.groups = groups
 
     def tier_request(self) -> TierRequest:
         """The tier sizes asked for, as a world reads them."""
         return TierRequest(self.device_blocks, self.host_blocks, self.storage_blocks,
                            self.device_gb, self.host_gb, self.storage_gb,
-                           self.max_batch_tokens + self.max_running)
+                           self.max_batch_tokens + self.max_running, self.tp)
+
+
+def cluster_file_settings(path: str) -> tuple[dict[str, Any], tuple[InstanceGroup, ...]]:
+    """A cluster file's top-level settings (``ReplayConfig`` fields) and groups, each value
+    checked, on its own, as the config checks it (so that an error names the file)."""
+    own = [f for f in dataclasses.fields(ReplayConfig) if f.init]
+    hints = typing.get_type_hints(ReplayConfig)
+    settings, groups = read_cluster_file(path, {f.name: hints[f.name] for f in own})
+    try:
+        ReplayConfig(**settings)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return settings, groups
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One instance's hardware, as its world is started with it.
+
+    ``profile`` carries the instance's own links: PCIe times ``tp``
+    (``tensor_parallel_links``) and, with a shared pool, its NIC as its storage
+    links (``nic``: bytes/s, latency). ``group``: its ``[[group]]`` in the
+    cluster file (counting from 0), None without groups.
+    """
+
+    profile: GpuProfile
+    capacities: Capacities
+    tp: int = 1
+    group: int | None = None
+    nic: tuple[float, float] | None = None
 
 
 @dataclass
 class Setup:
-    """What a config resolves to: the model, the GPU, the tiers, the requests."""
+    """What a config resolves to: the model, the GPU, the tiers, the requests.
+
+    ``profile`` and ``capacities`` are the first instance's; ``kinds`` are the
+    instances' hardware by group: ``(count, spec)``, a count of None meaning
+    "all the instances" (no groups); ``instance_specs`` spells them out.
+    ``pool_blocks``: the shared pool's size (None: no pool).
+    """
 
     spec: ModelSpec
     profile: GpuProfile
@@ -151,6 +286,27 @@ class Setup:
     requests: list[EngineRequest]
     trace_path: str
     skipped: int
+    kinds: tuple[tuple[int | None, InstanceSpec], ...] = ()
+    pool_blocks: int | None = None
+
+    def load_kwargs(self) -> dict[str, Any]:
+        """What ``load.load_section`` needs to know of the instances' hardware beyond the
+        first instance's profile and tiers: their tensor parallelism, and the groups
+        where they differ."""
+        first = self.kinds[0][1] if self.kinds else InstanceSpec(self.profile, self.capacities)
+        if len(self.kinds) <= 1:
+            return {"tp": first.tp}
+        return {"tp": first.tp, "mix": [(count, s.profile, s.capacities, s.tp)
+                                        for count, s in self.kinds]}
+
+    def instance_specs(self, instances: int) -> list[InstanceSpec]:
+        """Each of ``instances`` instances' hardware, in order."""
+        if not self.kinds:
+            return [InstanceSpec(self.profile, self.capacities)] * instances
+        out = [s for count, s in self.kinds for _ in range(instances if count is None else count)]
+        if len(out) != instances:
+            raise ConfigError(f"{instances} instances asked for, the groups hold {len(out)}")
+        return out
 
 
 def request_keys(req: Request, hasher: BlockHasher | None) -> tuple[Hashable, ...]:
@@ -186,14 +342,73 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
         source = bound(source, duration_s=cfg.duration_s, limit=cfg.limit)
     requests = [EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
                               req.input_len, req.output_len) for req in source]
+    pool_blocks = None
+    if cfg.has_pool:
+        pool_blocks = cfg.pool_blocks if cfg.pool_blocks is not None else \
+            blocks_for_gb(cfg.pool_gb, spec)  # type: ignore[arg-type]
+        if pool_blocks < 1:
+            raise ConfigError(f"pool_gb={cfg.pool_gb} holds no block of {spec.name} "
+                              f"({spec.bytes_per_block / 2**20:.1f} MiB each)")
+    groups: tuple[InstanceGroup | None, ...] = cfg.groups or (None,)
+    kinds = tuple((None if g is None else g.count,
+                   _instance(cfg, spec, profile, world, g, i, pool_blocks))
+                  for i, g in enumerate(groups))
+    first = kinds[0][1]
+    return Setup(spec, first.profile, first.capacities, requests, str(path), trace.skipped,
+                 kinds, pool_blocks)
+
+
+def _instance(cfg: ReplayConfig, spec: ModelSpec, profile: GpuProfile, world: World | None,
+              group: InstanceGroup | None, index: int, pool_blocks: int | None) -> InstanceSpec:
+    """The hardware of one kind of instance: the config's, with a group's keys over it."""
+    tp = cfg.tp
     want = cfg.tier_request()
-    capacities = (default_capacities(spec, profile, want) if world is None
-                  else world.capacities(spec, profile, want))
-    return Setup(spec, profile, capacities, requests, str(path), trace.skipped)
+    nic_gb, nic_latency = cfg.nic_gb_per_s, cfg.nic_latency_s
+    if group is not None:
+        if group.profile is not None:
+            profile = load_profile(group.profile)
+        tp = group.tp or tp
+        tiers = {}
+        for tier in ("device", "host", "storage"):
+            blocks, gb = getattr(group, f"{tier}_blocks"), getattr(group, f"{tier}_gb")
+            if blocks is not None or gb is not None:
+                tiers[f"{tier}_blocks"], tiers[f"{tier}_gb"] = blocks, gb
+        want = replace(want, tp=tp, **tiers)
+        nic_gb = group.nic_gb_per_s if group.nic_gb_per_s is not None else nic_gb
+        nic_latency = group.nic_latency_s if group.nic_latency_s is not None else nic_latency
+    links = tensor_parallel_links(profile, tp)
+    nic = None
+    if pool_blocks is not None:
+        want = replace(want, storage_blocks=pool_blocks, storage_gb=None)  # its view
+        nic = ((DEFAULT_NIC_GB_PER_S if nic_gb is None else nic_gb) * 1e9,
+               DEFAULT_NIC_LATENCY_S if nic_latency is None else nic_latency)
+        link = Link(nic[0], nic[1], overlap_latency=True)  # many requests in flight
+        links = replace(links, storage_read=link, storage_write=link)
+    capacities = (default_capacities(spec, links, want) if world is None
+                  else world.capacities(spec, links, want))
+    return InstanceSpec(links, capacities, tp, None if group is None else index, nic)
+
+
+def make_pool(cfg: ReplayConfig, setup: Setup) -> Any:
+    """The cluster's shared pool (``kvflow.cluster.pool.GlobalPool``), or None without one."""
+    if setup.pool_blocks is None:
+        return None
+    from kvflow.cluster.pool import GlobalPool, PoolGate
+
+    gate = None
+    if cfg.pool_gb_per_s is not None:
+        gate = PoolGate(cfg.pool_gb_per_s * 1e9, cfg.pool_gb_per_s * 1e9)
+    return GlobalPool(setup.pool_blocks, gate)
 
 
 def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:
-    return CacheManager(
+    """One instance's manager (with a shared pool, one whose storage is its view of it)."""
+    kind = CacheManager
+    if cfg.has_pool:
+        from kvflow.cluster.pool import PoolViewManager  # the cluster sits above the driver
+
+        kind = PoolViewManager
+    return kind(
         capacities, eviction=cfg.eviction,
         write_policy=WritePolicy(cfg.write_policy, threshold=cfg.write_threshold),
         prefetch_policy=PrefetchPolicy(cfg.prefetch_policy))

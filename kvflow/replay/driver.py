@@ -27,7 +27,7 @@ from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
-from kvflow.replay.config import ReplayConfig, Setup, make_manager, resolve
+from kvflow.replay.config import ReplayConfig, Setup, make_manager, make_pool, resolve
 from kvflow.replay.load import load_section
 from kvflow.replay.report import (
     Part,
@@ -93,7 +93,7 @@ def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
     if cfg.backend != "sim":
         return 1
     load = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
-                        cfg.max_batch_tokens, cfg.max_running, 1)
+                        cfg.max_batch_tokens, cfg.max_running, 1, **setup.load_kwargs())
     return int(load["instances_suggested"])
 
 
@@ -138,16 +138,29 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                           inspect: Inspect | None = None,
                           timeout_s: float | None = None) -> dict[str, Any]:
     """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
-    through the router (one instance: ``manager`` is its manager)."""
-    managers = [manager] + [make_manager(cfg, setup.capacities)
-                            for _ in range(cfg.instances - 1)]
+    through the router (one instance: ``manager`` is its manager), each on its own
+    hardware (``Setup.instance_specs``), sharing a pool where the config has one."""
+    specs = setup.instance_specs(cfg.instances)
+    managers = [manager] + [make_manager(cfg, s.capacities) for s in specs[1:]]
+    pool = make_pool(cfg, setup)
     sites: list[Site] = []
     try:
-        for _ in managers:
+        for s in specs:
+            gate = None if pool is None or pool.gate is None else \
+                pool.gate.for_instance(s.nic[0], s.nic[0])  # type: ignore[index]
             sites.append(await world.start(WorldSetup(
-                setup.spec, setup.profile, setup.capacities, cfg.seed,
-                cfg.max_batch_tokens + cfg.max_running)))
-        return await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s)
+                setup.spec, s.profile, s.capacities, cfg.seed,
+                cfg.max_batch_tokens + cfg.max_running, s.tp, gate)))
+        if pool is not None:
+            pool.attach(managers)
+        body = await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,
+                            None if pool is None else pool.tier_hits)
+        if pool is not None:
+            body["pool"] = pool.report()
+        if "instances" in body:
+            for row, s in zip(body["instances"], specs, strict=True):
+                row.update(tp=s.tp, group=s.group)
+        return body
     finally:
         for site in sites:
             await site.stop()
@@ -155,7 +168,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
 
 async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
                  sites: list[Site], progress: Callable[[int, int], None] | None,
-                 inspect: Inspect | None, timeout_s: float | None) -> dict[str, Any]:
+                 inspect: Inspect | None, timeout_s: float | None,
+                 lookup: Callable[..., tuple[int, int, int]] | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     site = sites[0]  # the clock and the arrivals' sleeps (all instances share the loop)
     parts: list[Part] = []
@@ -174,7 +188,7 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
         engine.clock = s.clock
         engine.on_finish = on_progress
         parts.append(Part(engine, runtime, log, sampler))
-    cluster = Cluster(cfg, setup, parts) if len(parts) > 1 else None
+    cluster = Cluster(cfg, setup, parts, lookup) if len(parts) > 1 else None
     engines = [p.engine for p in parts]
     start = site.clock()
     arrivals = [start + r.arrival_s for r in setup.requests]

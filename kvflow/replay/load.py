@@ -53,14 +53,15 @@ def offered_load(requests: Sequence[EngineRequest]) -> dict[str, Any]:
 
 def instance_capacity(spec: ModelSpec, profile: GpuProfile, capacities: Capacities,
                       max_batch_tokens: int, max_running: int,
-                      mean_prompt: float, mean_output: float) -> dict[str, float]:
+                      mean_prompt: float, mean_output: float, tp: int = 1) -> dict[str, float]:
     """What one instance serves per second, by the cost model.
 
     Prefill: full chunks of ``max_batch_tokens`` at half the mean prompt as context.
     Decode: the largest batch that fits (``max_running``, and the device's blocks over a
     request's blocks), each at the mean prompt plus half the mean output as context.
+    ``tp``: GPUs the instance spans (tensor parallelism).
     """
-    cost = CostModel(spec, profile)
+    cost = CostModel(spec, profile, tp)
     chunk = max(1, max_batch_tokens)
     prefill_s = cost.step_time([(chunk, int(mean_prompt / 2))], [])
     blocks_per_request = max(1, math.ceil((mean_prompt + mean_output) / spec.block_tokens))
@@ -105,25 +106,43 @@ def load_section(requests: Sequence[EngineRequest], spec: ModelSpec, profile: Gp
                  capacities: Capacities, max_batch_tokens: int, max_running: int,
                  instances: int, compute_busy_s: float | None = None,
                  sim_time_s: float | None = None,
-                 waits: tuple[float, float] | None = None) -> dict[str, Any]:
+                 waits: tuple[float, float] | None = None, tp: int = 1,
+                 mix: Sequence[tuple[int, GpuProfile, Capacities, int]] | None = None,
+                 ) -> dict[str, Any]:
     """The report's ``load`` section (see the module docstring); ``waits`` is
-    ``queue_growth``'s pair, from a full replay."""
+    ``queue_growth``'s pair, from a full replay. ``tp``: GPUs per instance.
+
+    ``mix``: instances that differ, as ``(count, profile, capacities, tp)`` groups;
+    the cluster's capacity is then the sum of theirs (``capacity_by_group``) and
+    ``capacity_per_instance`` the first group's."""
     offered = offered_load(requests)
+    mean_prompt = offered.get("mean_prompt_tokens", 0.0)
+    mean_output = offered.get("mean_output_tokens", 0.0)
     cap = instance_capacity(spec, profile, capacities, max_batch_tokens, max_running,
-                            offered.get("mean_prompt_tokens", 0.0),
-                            offered.get("mean_output_tokens", 0.0))
+                            mean_prompt, mean_output, tp)
     util = predicted_utilization(offered, cap, instances)
+    by_group = None
+    if mix is not None:
+        by_group = [dict(instance_capacity(spec, p, c, max_batch_tokens, max_running,
+                                           mean_prompt, mean_output, t), instances=n)
+                    for n, p, c, t in mix]
+        total = {k: sum(g["instances"] * g[k] for g in by_group)
+                 for k in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+        util = predicted_utilization(offered, total, 1)
     busy = None
     if compute_busy_s is not None and sim_time_s:
         busy = compute_busy_s / (sim_time_s * instances)
     grew = waits is not None and waits[1] >= max(QUEUE_GROWTH * waits[0], QUEUE_GROWTH_MIN_S)
     overloaded = (util is not None and util > 1.0) or grew
     one = predicted_utilization(offered, cap, 1)
-    return {"offered": offered, "capacity_per_instance": cap, "instances": instances,
+    out = {"offered": offered, "capacity_per_instance": cap, "instances": instances,
             "utilization_predicted": util, "compute_busy_share": busy,
             "queue_wait_first_last_s": list(waits) if waits is not None else None,
             "queue_grew": grew, "overloaded": overloaded,
             "instances_suggested": instances_for(one)}
+    if by_group is not None:
+        out["capacity_by_group"] = by_group
+    return out
 
 
 def slo_section(ttft: Sequence[float], tpot: Sequence[float | None], rejected: int,

@@ -45,7 +45,8 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
     engine = body.get("engine") or {}
     report["load"] = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
                                   cfg.max_batch_tokens, cfg.max_running, cfg.instances,
-                                  engine.get("compute_busy_s"), body.get("sim_time_s"), waits)
+                                  engine.get("compute_busy_s"), body.get("sim_time_s"), waits,
+                                  **setup.load_kwargs())
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
 
