@@ -61,6 +61,16 @@ class ReplayConfig:
     router: str = "round_robin"
     #: What the router sees of instances: "exact" (their events) or "approx" (its own record).
     router_view: str = "exact"
+    #: Prefill/decode disaggregation, "P:D" (``kvflow.cluster.pd``): P prefill and D decode
+    #: instances (``instances`` becomes P + D); None: every instance does both.
+    pd: str | None = None
+    #: The network link a request's KV crosses from prefill to decode instance, per
+    #: instance NIC: GB/s (1e9 bytes) and per-layer latency. Defaults: one 400 Gb/s RDMA
+    #: NIC per GPU (NVIDIA ConnectX-7, as DGX H100 pairs them) and ~5 us a message.
+    pd_gb_per_s: float = 50.0
+    pd_latency_s: float = 5e-6
+    #: Send each layer's KV as prefill computes it (True), or all of it after prefill.
+    pd_layerwise: bool = True
     # -- load -----------------------------------------------------------------------------------
     #: Replay the trace this many times faster (arrival times divided by it).
     rate_scale: float = 1.0
@@ -104,6 +114,7 @@ class ReplayConfig:
             if self.mode != "full":
                 raise ConfigError("several instances replay in full mode only "
                                   "(cache mode replays one cache)")
+        self._check_pd()
         from kvflow.cluster.router import ROUTERS, VIEWS  # the cluster sits above the driver
 
         if self.router not in ROUTERS:
@@ -120,6 +131,30 @@ class ReplayConfig:
         # Fail early, with the field named, rather than mid-replay.
         WritePolicy(self.write_policy, threshold=self.write_threshold)
         PrefetchPolicy(self.prefetch_policy)
+
+    def _check_pd(self) -> None:
+        """``pd`` well formed and consistent with the rest; sets ``instances`` to P + D."""
+        for name in ("pd_gb_per_s", "pd_latency_s"):
+            v = getattr(self, name)
+            low_ok = v > 0 if name == "pd_gb_per_s" else v >= 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and low_ok):
+                raise ConfigError(f"{name} must be a finite number "
+                                  f"{'> 0' if name == 'pd_gb_per_s' else '>= 0'}, got {v!r}")
+        if not isinstance(self.pd_layerwise, bool):
+            raise ConfigError(f"pd_layerwise must be true or false, got {self.pd_layerwise!r}")
+        if self.pd is None:
+            return
+        from kvflow.cluster.pd import parse_pd  # the cluster sits above the driver
+
+        p, d = parse_pd(self.pd)
+        if self.instances == "auto" or self.instances not in (1, p + d):
+            raise ConfigError(f"pd {self.pd!r} runs {p + d} instances; instances is "
+                              f"{self.instances!r} (leave it out, or give {p + d})")
+        if self.backend != "sim" or self.mode != "full":
+            raise ConfigError("pd (prefill/decode disaggregation) runs in the simulated "
+                              "world in full mode only (backend 'sim', mode 'full')")
+        self.instances = p + d
 
     def tier_request(self) -> TierRequest:
         """The tier sizes asked for, as a world reads them."""

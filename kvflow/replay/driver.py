@@ -36,6 +36,7 @@ from kvflow.replay.report import (
     full_report,
     hit_rates,
     instance_rows,
+    summary,
 )
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
@@ -195,8 +196,10 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             else:
                 cluster.add(req, site.clock())
         cursor = total
-        for engine in engines:
-            engine.close()
+        if cluster is None:
+            engines[0].close()
+        else:
+            cluster.close()  # under PD, decode instances close once prefill is done
         for run in runs:
             await run
 
@@ -239,6 +242,9 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
     if cluster is not None:
         body["cluster"] = cluster.report(end - start)
         body["instances"] = instance_rows(parts, end - start)
+        if cluster.pd is not None:
+            body["pd"] = cluster.pd.report(end - start, summary)
+            cluster.pd.rows(body["instances"], summary, hit_rates)
     for s in sites:
         extra = s.report(parts[sites.index(s)].log)
         if extra:
