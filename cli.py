@@ -237,6 +237,10 @@ def replay(
     pd_layerwise: Annotated[bool, typer.Option(
         "--pd-layerwise/--pd-whole",
         help="Send each layer's KV as prefill computes it, or all of it after.")] = True,
+    pd_decode_offload: Annotated[bool, typer.Option(
+        "--pd-decode-offload/--pd-decode-device-only",
+        help="Decode instances back KV up to host and storage per --write-policy, or keep "
+             "it on the device only.")] = True,
     rate_scale: Annotated[float, typer.Option(
         help="Replay the trace X times faster (arrival times divided by X).")] = 1.0,
     duration: Annotated[float | None, typer.Option(
@@ -270,7 +274,8 @@ def replay(
             instances=(1 if pd is not None and instances == "auto"
                        else _instances(instances, mode.value, backend.value)),
             router=router, router_view=router_view, pd=pd, pd_gb_per_s=pd_gb_per_s,
-            pd_latency_s=pd_latency_s, pd_layerwise=pd_layerwise, rate_scale=rate_scale,
+            pd_latency_s=pd_latency_s, pd_layerwise=pd_layerwise,
+            pd_decode_offload=pd_decode_offload, rate_scale=rate_scale,
             duration_s=duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,

@@ -168,6 +168,15 @@ def test_every_request_is_served_once() -> None:
     assert rep["pd"]["utilization_predicted"]["decode"] > 0
 
 
+@pytest.mark.parametrize("offload", [True, False])
+def test_decode_offload_follows_the_write_policy_or_is_off(offload: bool) -> None:
+    rep = run_replay(ReplayConfig(pd="1:1", limit=40, pd_decode_offload=offload))
+    prefill, decode = rep["instances"]
+    assert prefill["bytes"]["d2h"] > 0  # write_through backs prefilled blocks up
+    assert (decode["bytes"]["d2h"] > 0) is offload
+    assert rep["requests"] == 40
+
+
 @pytest.mark.parametrize("value", ["2", "2:2:2", "a:b", "0:2", "2:0", "-1:2", "2:", " : ",
                                    "1.5:2", 4])
 def test_bad_pd_is_a_clear_error(value: object) -> None:
@@ -184,6 +193,7 @@ def test_bad_pd_is_a_clear_error(value: object) -> None:
     ({"pd_gb_per_s": math.inf}, "pd_gb_per_s"),
     ({"pd_latency_s": -1e-6}, "pd_latency_s"),
     ({"pd_layerwise": "yes"}, "pd_layerwise"),
+    ({"pd_decode_offload": 1}, "pd_decode_offload"),
 ])
 def test_pd_conflicts_are_clear_errors(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

@@ -37,6 +37,17 @@ placed before it. The decode instance starts decoding the request once its
 last layer has landed and not before its first token exists; the prefill
 instance releases the request's blocks then.
 
+**Decode-side tiers.** A decode instance commits a received request's blocks
+once they have landed and keeps them as any instance does: on its device
+(a later turn decoded there sends only what is new) and, per the write policy,
+on its host and storage tiers (``pd_decode_offload``; off, it has the device
+alone). Its prefill never runs there, so without a pool shared with the
+prefill instances those lower copies are never read, and they cost: every
+decoded prompt is written to the decode instance's storage, which on a few
+decode instances serving many prefill instances can fill the drive's write
+bandwidth and, through the blocks those copies still read, hold decoding
+back.
+
 Times are exact arithmetic over the virtual clock; nothing here imports
 simpy. Report: ``pd`` (bytes, transfer time, the part after prefill, the
 wait between first token and decode start, link use) and a role per

@@ -71,6 +71,10 @@ class ReplayConfig:
     pd_latency_s: float = 5e-6
     #: Send each layer's KV as prefill computes it (True), or all of it after prefill.
     pd_layerwise: bool = True
+    #: Decode instances copy KV down their host and storage tiers per the write policy,
+    #: as any instance does (True), or keep it on the device only (False): without a
+    #: pool shared with the prefill instances, nothing ever reads their lower tiers.
+    pd_decode_offload: bool = True
     # -- load -----------------------------------------------------------------------------------
     #: Replay the trace this many times faster (arrival times divided by it).
     rate_scale: float = 1.0
@@ -141,8 +145,9 @@ class ReplayConfig:
                     math.isfinite(v) and low_ok):
                 raise ConfigError(f"{name} must be a finite number "
                                   f"{'> 0' if name == 'pd_gb_per_s' else '>= 0'}, got {v!r}")
-        if not isinstance(self.pd_layerwise, bool):
-            raise ConfigError(f"pd_layerwise must be true or false, got {self.pd_layerwise!r}")
+        for name in ("pd_layerwise", "pd_decode_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.pd is None:
             return
         from kvflow.cluster.pd import parse_pd  # the cluster sits above the driver
@@ -212,6 +217,16 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
     capacities = (default_capacities(spec, profile, want) if world is None
                   else world.capacities(spec, profile, want))
     return Setup(spec, profile, capacities, requests, str(path), trace.skipped)
+
+
+def instance_capacities(cfg: ReplayConfig, capacities: Capacities, i: int) -> Capacities:
+    """Instance ``i``'s tiers: ``capacities``, or the device alone for a decode instance
+    that does not offload (``pd_decode_offload=False``)."""
+    if cfg.pd is None or cfg.pd_decode_offload:
+        return capacities
+    from kvflow.cluster.pd import parse_pd
+
+    return capacities if i < parse_pd(cfg.pd)[0] else Capacities(capacities.device)
 
 
 def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:

@@ -27,7 +27,13 @@ from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
-from kvflow.replay.config import ReplayConfig, Setup, make_manager, resolve
+from kvflow.replay.config import (
+    ReplayConfig,
+    Setup,
+    instance_capacities,
+    make_manager,
+    resolve,
+)
 from kvflow.replay.load import load_section
 from kvflow.replay.report import (
     Part,
@@ -140,8 +146,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                           timeout_s: float | None = None) -> dict[str, Any]:
     """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
     through the router (one instance: ``manager`` is its manager)."""
-    managers = [manager] + [make_manager(cfg, setup.capacities)
-                            for _ in range(cfg.instances - 1)]
+    managers = [manager] + [make_manager(cfg, instance_capacities(cfg, setup.capacities, i))
+                            for i in range(1, cfg.instances)]
     sites: list[Site] = []
     try:
         for _ in managers:
