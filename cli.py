@@ -154,6 +154,8 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
                           f"{report['rejected']} requests rejected[/yellow]")
         if report.get("cluster"):
             _print_cluster(report, console)
+        if report.get("pd"):
+            _print_pd(report["pd"], console)
         if report.get("slo"):
             slo = report["slo"]
             good = slo["goodput_requests_per_s"]
@@ -191,20 +193,42 @@ def _print_load(report: dict[str, Any], console: Console) -> None:
             f"the arrivals (--rate-scale).")
 
 
+def _print_pd(pd: dict[str, Any], console: Console) -> None:
+    """Prefill/decode disaggregation: what crossed the network and what decode waited."""
+    how = "layer by layer" if pd["layerwise"] else "whole after prefill"
+    util = pd.get("utilization_predicted") or {}
+    side = (f"; predicted utilisation prefill {util['prefill']:.2f}, decode {util['decode']:.2f}"
+            if util.get("prefill") is not None else "")
+    console.print(
+        f"PD {pd['prefill_instances']}:{pd['decode_instances']} ({how}, "
+        f"{pd['gb_per_s']:g} GB/s, {pd['latency_s'] * 1e6:g} us): {pd['bytes'] / 1e9:,.1f} GB "
+        f"of KV in {pd['transfers']:,} transfers ({pd['reused_blocks']:,} blocks already on "
+        f"the decode device); transfer mean {_fmt_s(pd['transfer_s'], 'mean')}, p90 "
+        f"{_fmt_s(pd['transfer_s'], 'p90')}; wait from first token to decode mean "
+        f"{_fmt_s(pd['decode_wait_s'], 'mean')}, p90 {_fmt_s(pd['decode_wait_s'], 'p90')}"
+        f"{side}")
+
+
 def _print_cluster(report: dict[str, Any], console: Console) -> None:
     c = report["cluster"]
     t = Table(title=f"{len(report['instances'])} instances, router {c['router']} "
                     f"({c['view']} view): load imbalance max/mean "
                     f"{c['imbalance_requests']:.2f} (requests), "
                     f"{c['imbalance_prompt_tokens']:.2f} (prompt tokens)")
-    for col in ("instance", "requests", "hit rate", "TTFT p50", "queue p50", "compute busy",
-                "h2d busy"):
+    pd = bool(report.get("pd"))
+    for col in ("instance", *(("role",) if pd else ()), "requests", "hit rate", "TTFT p50",
+                *(("TPOT p50",) if pd else ()), "queue p50", "compute busy", "h2d busy"):
         t.add_column(col, justify="right")
     for row in report["instances"]:
         busy = row["compute_utilization"]
-        t.add_row(str(row["instance"]), f"{row['requests']:,}",
-                  f"{row['hit_rate']['total']:.1%}", _fmt_s(row["ttft_s"], "p50"),
-                  _fmt_s(row["queue_s"], "p50"), "-" if busy is None else f"{busy:.0%}",
+        role = (row["role"], ) if pd else ()
+        tpot = (_fmt_s(row.get("tpot_s"), "p50"), ) if pd else ()
+        decode = pd and row["role"] == "decode"
+        t.add_row(str(row["instance"]), *role, f"{row['requests']:,}",
+                  "-" if decode else f"{row['hit_rate']['total']:.1%}",
+                  "-" if decode else _fmt_s(row["ttft_s"], "p50"), *tpot,
+                  "-" if decode else _fmt_s(row["queue_s"], "p50"),
+                  "-" if busy is None else f"{busy:.0%}",
                   f"{row['link_utilization']['h2d']:.1%}")
     console.print(t)
 
@@ -213,7 +237,8 @@ def _print_cluster(report: dict[str, Any], console: Console) -> None:
     "Examples:\n\n"
     "  kvflow replay                              # the bundled sample, defaults\n\n"
     "  kvflow replay trace.jsonl --host-gb 128 --eviction s3fifo --out report.json\n\n"
-    "  kvflow replay trace.jsonl --mode cache --device-blocks 2000 --host-blocks 0"))
+    "  kvflow replay trace.jsonl --mode cache --device-blocks 2000 --host-blocks 0\n\n"
+    "  kvflow replay trace.jsonl --pd 12:4 --router prefix   # prefill/decode disaggregated"))
 def replay(
     ctx: typer.Context,
     trace: Annotated[str | None, typer.Argument(
@@ -257,6 +282,20 @@ def replay(
     router_view: Annotated[str, typer.Option(
         help="exact: the router sees the instances' caches and queues; approx: only its "
              "own record of what it sent where.")] = "exact",
+    pd: Annotated[str | None, typer.Option(
+        "--pd", help="Prefill/decode disaggregation P:D: P prefill and D decode instances "
+                     "(sets --instances to P+D); the KV crosses a network link.")] = None,
+    pd_gb_per_s: Annotated[float, typer.Option(
+        help="PD link: GB/s per instance NIC (default: one 400 Gb/s RDMA NIC).")] = 50.0,
+    pd_latency_s: Annotated[float, typer.Option(
+        help="PD link: latency per message (one layer of one request), seconds.")] = 5e-6,
+    pd_layerwise: Annotated[bool, typer.Option(
+        "--pd-layerwise/--pd-whole",
+        help="Send each layer's KV as prefill computes it, or all of it after.")] = True,
+    pd_decode_offload: Annotated[bool, typer.Option(
+        "--pd-decode-offload/--pd-decode-device-only",
+        help="Decode instances back KV up to host and storage per --write-policy, or keep "
+             "it on the device only.")] = True,
     rate_scale: Annotated[float, typer.Option(
         help="Replay the trace X times faster (arrival times divided by X).")] = 1.0,
     duration: Annotated[float | None, typer.Option(
@@ -312,11 +351,14 @@ def replay(
             write_threshold=write_threshold, prefetch_policy=prefetch_policy,
             mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
             skip_bad=skip_bad, backend=backend.value,
-            instances=_instances(instances, mode.value, backend.value), router=router,
-            router_view=router_view, rate_scale=rate_scale, duration_s=duration, rate=rate,
-            slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, tp=tp, pool_gb=pool_gb,
-            pool_blocks=pool_blocks, pool_gb_per_s=pool_gb_per_s, nic_gb_per_s=nic_gb_per_s,
-            nic_latency_s=nic_latency,
+            instances=(1 if pd is not None and instances == "auto"
+                       else _instances(instances, mode.value, backend.value)),
+            router=router, router_view=router_view, pd=pd, pd_gb_per_s=pd_gb_per_s,
+            pd_latency_s=pd_latency_s, pd_layerwise=pd_layerwise,
+            pd_decode_offload=pd_decode_offload, rate_scale=rate_scale,
+            duration_s=duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
+            tp=tp, pool_gb=pool_gb, pool_blocks=pool_blocks, pool_gb_per_s=pool_gb_per_s,
+            nic_gb_per_s=nic_gb_per_s, nic_latency_s=nic_latency,
             executor=executor.value if backend is Backend.cuda else None)
         if cluster is not None:
             options = _with_cluster_file(ctx, options, resolve_path(str(cluster)))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvflow.errors import ConfigError, NotEnoughBlocks, TransferError
+from kvflow.handover import HandoverMixin
 from kvflow.manager import CacheManager, OpKind, Plan, Reservation
 from kvflow.policy import PrefetchPolicy
 from kvflow.radix import Tier
@@ -97,6 +98,10 @@ class MultiStepExecutor(ComputeExecutor, Protocol):
         """
         ...
 
+    def cut_decode_steps(self, until: float) -> None:
+        """End the run in progress after the step that ends at or past ``until``."""
+        ...
+
 
 @dataclass(eq=False)
 class RequestState:
@@ -117,6 +122,12 @@ class RequestState:
     finish_s: float | None = None
     hits: tuple[int, int, int] = (0, 0, 0)
     error: str | None = None
+    # Prefill/decode disaggregation (kvflow.handover): the request's state on the engine
+    # that prefilled it; when each layer of its last prefill step ended (prefill side);
+    # when its KV was in place to decode (decode side).
+    origin: RequestState | None = None
+    layer_ends: list[float] | None = None
+    decode_from_s: float | None = None
 
 
 @dataclass
@@ -126,12 +137,17 @@ class EngineStats:
     rejected: int = 0
     replans: int = 0
     aborted: int = 0
+    handed_over: int = 0
     steps: int = 0
     recomputed_tokens: int = 0
 
 
-class Engine:
-    """Continuous batching over a ``CacheManager`` and a ``Runtime``."""
+class Engine(HandoverMixin):
+    """Continuous batching over a ``CacheManager`` and a ``Runtime``.
+
+    Prefill/decode disaggregation adds a prefill-only mode and requests
+    prefilled elsewhere (``kvflow.handover``).
+    """
 
     def __init__(self, manager: CacheManager, runtime: Runtime, executor: ComputeExecutor,
                  config: EngineConfig) -> None:
@@ -161,6 +177,15 @@ class Engine:
         #: any step: prefill/decode disaggregation (``kvflow.pd``) starts a request's
         #: send there, or its receive (holding it back with ``held`` until the KV landed).
         self.on_admit: Callable[[RequestState], None] | None = None
+        #: Prefill-only mode (``kvflow.handover``): called with each request that has its
+        #: first token and more to generate; it leaves the batch, blocks held, until
+        #: ``release``. ``holding``: those not yet released.
+        self.handover: Callable[[RequestState], None] | None = None
+        #: Called as the step that is to complete a request's prefill is scheduled (a
+        #: decode instance allocates its blocks then, to take its layers as they come).
+        self.on_last_chunk: Callable[[RequestState], None] | None = None
+        self.holding: list[RequestState] = []
+        self._fast_forwarding = False
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
         self.next_arrival: Callable[[], float | None] | None = None
@@ -229,7 +254,7 @@ class Engine:
             self._admit()
             batch, members, waits = self._schedule()
             if not members:
-                if self._closed and not self.waiting and not self.running:
+                if self._closed and not self.waiting and not self.running and not self.holding:
                     break
                 self._wake.clear()
                 await self._wake.wait()
@@ -252,15 +277,21 @@ class Engine:
         (none waits for a prefetch) and arrivals are known in advance."""
         return (self.next_arrival is not None
                 and hasattr(self.executor, "run_decode_steps")
-                and all(st.first_token_s is not None for st in self.running))
+                # A received request waiting for its KV cuts the run short as it lands.
+                and all(st.first_token_s is not None or st.origin is not None
+                        for st in self.running))
 
     async def _decode_steps(self, batch: StepBatch,
                             members: list[tuple[RequestState, int]]) -> None:
         """Run decode steps up to the next finish or arrival, whichever is first."""
         max_steps = min(max(1, st.req.output_len) - st.generated for st, _ in members)
         until = self.next_arrival() if self.next_arrival is not None else None
-        ran = await self.executor.run_decode_steps(  # type: ignore[attr-defined]
-            batch.decode, max_steps, until)
+        self._fast_forwarding = True
+        try:
+            ran = await self.executor.run_decode_steps(  # type: ignore[attr-defined]
+                batch.decode, max_steps, until)
+        finally:
+            self._fast_forwarding = False
         self.stats.steps += ran
         for st, _ in members:
             st.generated += ran - 1
@@ -280,10 +311,11 @@ class Engine:
                         t.cancel("prefetch: request scheduled")
             try:
                 plan = manager.plan(req.request_id, req.keys, extra,
-                                    use_storage=not best_effort)
+                                    use_storage=not best_effort,
+                                    device_only=st.origin is not None)
             except NotEnoughBlocks:
                 self.runtime.submit_all(self._take_detached())
-                if self.running:
+                if self.running or self.holding:
                     return  # head of line waits for blocks to come free
                 if self._drop_reservations():
                     continue  # they pinned blocks through closure: try again
@@ -304,6 +336,9 @@ class Engine:
                 manager.release(st.reservation)
                 st.reservation = None
             st.plan = plan
+            if st.origin is not None:
+                self._admit_received(st)
+                continue
             st.admit_s = self.clock()
             st.hits = self._served_from(st, plan.num_cached)
             st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
@@ -422,6 +457,8 @@ class Engine:
             todo = max(st.req.input_len - st.prefilled, 1 if st.prefilled == st.req.input_len
                        else 0)
             n = min(todo, budget)
+            if n == todo and self.on_last_chunk is not None:
+                self.on_last_chunk(st)
             context = min(st.prefilled, st.req.input_len - n)
             batch.prefill.append((n, context))
             members.append((st, n))
@@ -506,6 +543,9 @@ class Engine:
                     st.generated = 1
                     if self.on_first_token is not None:
                         self.on_first_token(st)
+                    if self.handover is not None and st.generated < max(1, st.req.output_len):
+                        self._hand_over(st)
+                        continue
             else:
                 st.generated += 1
             if st.first_token_s is not None and st.generated >= max(1, st.req.output_len):

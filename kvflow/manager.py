@@ -244,13 +244,16 @@ class CacheManager:
         reservation.nodes = []
 
     def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0,
-             use_storage: bool = True) -> Plan:
+             use_storage: bool = True, device_only: bool = False) -> Plan:
         """Reserve device blocks for a request and say which copies it needs.
 
         ``use_storage=False`` stops the cached prefix at the first block that
         is only in storage or still on its way up from it (best-effort
         prefetch: what has not reached host by now is recomputed rather than
-        waited for).
+        waited for). ``device_only=True`` stops it at the first block not
+        ready on the device: the plan loads nothing (a request whose KV comes
+        from another instance takes from this one only what its device holds,
+        so no load of its own can fail under it).
 
         Raises ``NotEnoughBlocks`` when the device cannot hold the request now,
         even after evicting every block that may go. References and the
@@ -266,6 +269,11 @@ class CacheManager:
                 t = n.best_tier()
                 if t == STORAGE or (t == HOST and n.state[HOST] == FILLING
                                          and n.inflight[HOST].kind is OpKind.PREFETCH):  # type: ignore[union-attr]
+                    del matched[i:]
+                    break
+        if device_only:
+            for i, n in enumerate(matched):
+                if n.state[DEVICE] != READY:
                     del matched[i:]
                     break
         index.ref_all(matched)

@@ -4,6 +4,12 @@ When a step depends on loads still in flight, it is computed layer by layer —
 each layer starts once that layer of every load has landed — which is how
 layer-wise overlap shows up in simulated TTFT. Otherwise the whole step is one
 sleep, so a replay pays one loop wake-up per step, not one per layer.
+
+Prefill/decode disaggregation reads two more things off it: when each layer of
+the last step ended (``layer_ends``: a prefill instance streams a layer's KV
+once it is computed), and a run of decode steps may be cut short
+(``cut_decode_steps``) when a request whose KV just arrived is to join the
+batch.
 """
 
 from __future__ import annotations
@@ -16,6 +22,21 @@ from kvflow.engine import StepBatch
 from kvflow.runtime import TransferTask
 
 
+class _DecodeRun:
+    """A run of decode steps in progress: enough to recompute where it may stop."""
+
+    __slots__ = ("batch", "context_sum", "handle", "max_steps", "ran", "start", "total",
+                 "wake")
+
+    def __init__(self, start: float, batch: int, context_sum: int, max_steps: int) -> None:
+        self.start, self.batch, self.context_sum, self.max_steps = (
+            start, batch, context_sum, max_steps)
+        self.ran = 0
+        self.total = 0.0
+        self.wake: asyncio.Future[None] | None = None
+        self.handle: asyncio.TimerHandle | None = None
+
+
 class SimExecutor:
     """``ComputeExecutor`` of the simulated world."""
 
@@ -23,8 +44,18 @@ class SimExecutor:
         self.cost = cost
         self.num_layers = num_layers
         self.busy_s = 0.0
+        # The last step: its start, its batch, and its layers' ends where it was run
+        # layer by layer (else they follow from the cost model).
+        self._last_start = 0.0
+        self._last_batch: StepBatch | None = None
+        self._last_ends: list[float] | None = None
+        self._decoding: _DecodeRun | None = None
 
     async def run_step(self, batch: StepBatch, waits: Sequence[TransferTask]) -> None:
+        loop = asyncio.get_running_loop()
+        self._last_start = loop.time()
+        self._last_batch = batch
+        self._last_ends = None
         pending = [t for t in waits if not t.finished or not t.ok]
         if not pending:
             dt = self.cost.step_time(batch.prefill, batch.decode)
@@ -33,31 +64,84 @@ class SimExecutor:
             return
         per_layer = self.cost.layer_time(batch.prefill, batch.decode)
         overhead = self.cost.step_time(batch.prefill, batch.decode) - self.num_layers * per_layer
+        ends: list[float] = []
+        self._last_ends = ends
         for i in range(self.num_layers):
             for t in pending:
                 if t.layers_done <= i:
                     await t.layer(i)  # raises TransferError if that load failed
             self.busy_s += per_layer
             await asyncio.sleep(per_layer)
+            ends.append(loop.time())
         if overhead > 0:
             self.busy_s += overhead
             await asyncio.sleep(overhead)
 
-    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
-                               until: float | None) -> int:
-        """Several pure-decode steps as one sleep: the sum of their step times."""
-        loop = asyncio.get_running_loop()
-        budget = None if until is None else until - loop.time()
+    def layer_ends(self) -> list[float]:
+        """Loop time at which each layer of the last step ended.
+
+        A step computes its layers first and spends its host overhead after
+        them; one run as a single sleep has layer ``i`` end at ``start + (i + 1)
+        * layer_time``, one run layer by layer (behind loads) when it did.
+        """
+        if self._last_ends is not None:
+            return list(self._last_ends)
+        batch = self._last_batch
+        if batch is None:
+            return []
+        per_layer = self.cost.layer_time(batch.prefill, batch.decode)
+        start = self._last_start
+        return [start + (i + 1) * per_layer for i in range(self.num_layers)]
+
+    def _span(self, run: _DecodeRun, until: float | None) -> tuple[int, float]:
+        """Steps (and their total time) of ``run`` up to the one that ends at or past
+        ``until``: one rule for the first plan and any cut, so a cut run stops exactly
+        where a run told the earlier ``until`` from the start would have."""
+        budget = None if until is None else until - run.start
         step_time = self.cost.decode_step_time
-        batch, context_sum = len(contexts), sum(contexts)
+        batch, context_sum = run.batch, run.context_sum
         total = 0.0
         ran = 0
-        while ran < max_steps:
+        while ran < run.max_steps:
             total += step_time(batch, context_sum)
             ran += 1
             if budget is not None and total >= budget:
                 break
             context_sum += batch  # every context grows by the token just decoded
-        self.busy_s += total
-        await asyncio.sleep(total)
-        return ran
+        return ran, total
+
+    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
+                               until: float | None) -> int:
+        """Several pure-decode steps as one sleep: the sum of their step times."""
+        loop = asyncio.get_running_loop()
+        run = _DecodeRun(loop.time(), len(contexts), sum(contexts), max_steps)
+        run.ran, run.total = self._span(run, until)
+        run.wake = loop.create_future()
+        run.handle = loop.call_at(run.start + run.total, _wake, run.wake)
+        self._decoding = run
+        try:
+            await run.wake
+        finally:
+            self._decoding = None
+            run.handle.cancel()
+        self.busy_s += run.total
+        return run.ran
+
+    def cut_decode_steps(self, until: float) -> None:
+        """End the run of decode steps in progress after the step that ends at or past
+        ``until`` (no run, or one that ends before: nothing changes)."""
+        run = self._decoding
+        if run is None or run.wake is None or run.wake.done():
+            return
+        ran, total = self._span(run, until)
+        if ran >= run.ran:
+            return
+        run.ran, run.total = ran, total
+        assert run.handle is not None
+        run.handle.cancel()
+        run.handle = asyncio.get_running_loop().call_at(run.start + total, _wake, run.wake)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

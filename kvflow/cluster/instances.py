@@ -14,6 +14,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
+from kvflow.cluster.pd import Disaggregation, parse_pd
 from kvflow.cluster.router import InstanceView, Prediction, Router, make_router
 from kvflow.cost import CostModel
 from kvflow.engine import Engine, EngineRequest, RequestState
@@ -66,6 +67,10 @@ class Cluster:
                                   tuple[int, int, int]] | None = None) -> None:
         """``lookup``: an instance's cached prefix per tier as the exact view sees it
         (default ``tier_hits``; a shared pool adds what it holds)."""
+        everyone = [p.engine for p in parts]
+        pd = getattr(cfg, "pd", None)
+        if pd is not None:  # the router sends requests to the prefill instances only
+            parts = parts[:parse_pd(pd)[0]]
         self.engines: list[Engine] = [p.engine for p in parts]
         spec = setup.spec
         requests = setup.requests
@@ -105,6 +110,21 @@ class Cluster:
         for i, engine in enumerate(self.engines):
             engine.on_first_token = self._first_token_hook(i, engine.on_first_token)
             engine.on_finish = self._finish_hook(i, engine.on_finish)
+        #: Prefill/decode disaggregation (``kvflow.cluster.pd``), where asked for.
+        self.pd: Disaggregation | None = None if pd is None else Disaggregation(
+            cfg, setup, everyone, len(self.engines), self._released)
+
+    def close(self) -> None:
+        """No more arrivals (under PD, decode instances close once prefill is done)."""
+        if self.pd is not None:
+            self.pd.close()
+            return
+        for engine in self.engines:
+            engine.close()
+
+    def _released(self, i: int, st: RequestState) -> None:
+        """Prefill instance ``i`` let go of ``st`` after its KV left (the exact view)."""
+        self.router.finished(i, st.req, self._blocks(self.engines[i], st.req), decoded=True)
 
     def add(self, req: EngineRequest, now: float) -> int:
         """Route ``req`` (arriving at ``now``) and queue it there; returns the instance."""

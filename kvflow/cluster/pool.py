@@ -174,10 +174,10 @@ class PoolViewManager(CacheManager):
         return super().prefetch(keys, blocks_per_op)
 
     def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0,
-             use_storage: bool = True) -> Plan:
-        if self.pool is not None:
+             use_storage: bool = True, device_only: bool = False) -> Plan:
+        if self.pool is not None and not device_only:  # (device_only loads nothing)
             self.pool.sync(self, keys)
-        return super().plan(request_id, keys, extra_blocks, use_storage)
+        return super().plan(request_id, keys, extra_blocks, use_storage, device_only)
 
     def complete(self, op: TransferOp, ok: bool = True) -> list[TransferOp]:
         follow = super().complete(op, ok)

@@ -75,6 +75,20 @@ class ReplayConfig:
     router: str = "round_robin"
     #: What the router sees of instances: "exact" (their events) or "approx" (its own record).
     router_view: str = "exact"
+    #: Prefill/decode disaggregation, "P:D" (``kvflow.cluster.pd``): P prefill and D decode
+    #: instances (``instances`` becomes P + D); None: every instance does both.
+    pd: str | None = None
+    #: The network link a request's KV crosses from prefill to decode instance, per
+    #: instance NIC: GB/s (1e9 bytes) and per-layer latency. Defaults: one 400 Gb/s RDMA
+    #: NIC per GPU (NVIDIA ConnectX-7, as DGX H100 pairs them) and ~5 us a message.
+    pd_gb_per_s: float = 50.0
+    pd_latency_s: float = 5e-6
+    #: Send each layer's KV as prefill computes it (True), or all of it after prefill.
+    pd_layerwise: bool = True
+    #: Decode instances copy KV down their host and storage tiers per the write policy,
+    #: as any instance does (True), or keep it on the device only (False): without a
+    #: pool shared with the prefill instances, nothing ever reads their lower tiers.
+    pd_decode_offload: bool = True
     # -- load -----------------------------------------------------------------------------------
     #: Replay the trace this many times faster (arrival times divided by it).
     rate_scale: float = 1.0
@@ -150,6 +164,7 @@ class ReplayConfig:
             if self.mode != "full":
                 raise ConfigError("several instances replay in full mode only "
                                   "(cache mode replays one cache)")
+        self._check_pd()
         from kvflow.cluster.router import ROUTERS, VIEWS  # the cluster sits above the driver
 
         if self.router not in ROUTERS:
@@ -232,6 +247,31 @@ class ReplayConfig:
                                   f"instances={self.instances!r} is given")
             self.instances = total
         self.groups = groups
+
+    def _check_pd(self) -> None:
+        """``pd`` well formed and consistent with the rest; sets ``instances`` to P + D."""
+        for name in ("pd_gb_per_s", "pd_latency_s"):
+            v = getattr(self, name)
+            low_ok = v > 0 if name == "pd_gb_per_s" else v >= 0
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                    math.isfinite(v) and low_ok):
+                raise ConfigError(f"{name} must be a finite number "
+                                  f"{'> 0' if name == 'pd_gb_per_s' else '>= 0'}, got {v!r}")
+        for name in ("pd_layerwise", "pd_decode_offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.pd is None:
+            return
+        from kvflow.cluster.pd import parse_pd  # the cluster sits above the driver
+
+        p, d = parse_pd(self.pd)
+        if self.instances == "auto" or self.instances not in (1, p + d):
+            raise ConfigError(f"pd {self.pd!r} runs {p + d} instances; instances is "
+                              f"{self.instances!r} (leave it out, or give {p + d})")
+        if self.backend != "sim" or self.mode != "full":
+            raise ConfigError("pd (prefill/decode disaggregation) runs in the simulated "
+                              "world in full mode only (backend 'sim', mode 'full')")
+        self.instances = p + d
 
     def tier_request(self) -> TierRequest:
         """The tier sizes asked for, as a world reads them."""
@@ -399,6 +439,16 @@ def make_pool(cfg: ReplayConfig, setup: Setup) -> Any:
     if cfg.pool_gb_per_s is not None:
         gate = PoolGate(cfg.pool_gb_per_s * 1e9, cfg.pool_gb_per_s * 1e9)
     return GlobalPool(setup.pool_blocks, gate)
+
+
+def instance_capacities(cfg: ReplayConfig, capacities: Capacities, i: int) -> Capacities:
+    """Instance ``i``'s tiers: ``capacities``, or the device alone for a decode instance
+    that does not offload (``pd_decode_offload=False``)."""
+    if cfg.pd is None or cfg.pd_decode_offload:
+        return capacities
+    from kvflow.cluster.pd import parse_pd
+
+    return capacities if i < parse_pd(cfg.pd)[0] else Capacities(capacities.device)
 
 
 def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:

@@ -27,7 +27,14 @@ from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
-from kvflow.replay.config import ReplayConfig, Setup, make_manager, make_pool, resolve
+from kvflow.replay.config import (
+    ReplayConfig,
+    Setup,
+    instance_capacities,
+    make_manager,
+    make_pool,
+    resolve,
+)
 from kvflow.replay.load import load_section
 from kvflow.replay.report import (
     Part,
@@ -36,6 +43,7 @@ from kvflow.replay.report import (
     full_report,
     hit_rates,
     instance_rows,
+    summary,
 )
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
@@ -141,7 +149,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
     through the router (one instance: ``manager`` is its manager), each on its own
     hardware (``Setup.instance_specs``), sharing a pool where the config has one."""
     specs = setup.instance_specs(cfg.instances)
-    managers = [manager] + [make_manager(cfg, s.capacities) for s in specs[1:]]
+    managers = [manager] + [make_manager(cfg, instance_capacities(cfg, s.capacities, i))
+                            for i, s in enumerate(specs) if i > 0]
     pool = make_pool(cfg, setup)
     sites: list[Site] = []
     try:
@@ -209,8 +218,10 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             else:
                 cluster.add(req, site.clock())
         cursor = total
-        for engine in engines:
-            engine.close()
+        if cluster is None:
+            engines[0].close()
+        else:
+            cluster.close()  # under PD, decode instances close once prefill is done
         for run in runs:
             await run
 
@@ -253,6 +264,9 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
     if cluster is not None:
         body["cluster"] = cluster.report(end - start)
         body["instances"] = instance_rows(parts, end - start)
+        if cluster.pd is not None:
+            body["pd"] = cluster.pd.report(end - start, summary)
+            cluster.pd.rows(body["instances"], summary, hit_rates)
     for s in sites:
         extra = s.report(parts[sites.index(s)].log)
         if extra:

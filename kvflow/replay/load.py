@@ -145,6 +145,19 @@ def load_section(requests: Sequence[EngineRequest], spec: ModelSpec, profile: Gp
     return out
 
 
+def pd_utilization(load: dict[str, Any], prefill: int, decode: int) -> dict[str, Any]:
+    """Under prefill/decode disaggregation, each side's predicted utilisation (cost model,
+    no cache reuse): offered prompt tokens over the P prefill instances' rate, offered
+    output tokens over the D decode instances'; above 1 that side is overloaded."""
+    off, cap = load["offered"], load["capacity_per_instance"]
+    p, o = off.get("prompt_tokens_per_s"), off.get("output_tokens_per_s")
+    if p is None or o is None:
+        return {"prefill": None, "decode": None, "overloaded": None}
+    up = p / (cap["prefill_tokens_per_s"] * prefill)
+    ud = o / (cap["decode_tokens_per_s"] * decode)
+    return {"prefill": up, "decode": ud, "overloaded": up > 1.0 or ud > 1.0}
+
+
 def slo_section(ttft: Sequence[float], tpot: Sequence[float | None], rejected: int,
                 span_s: float, slo_ttft_s: float | None,
                 slo_tpot_s: float | None) -> dict[str, Any] | None:

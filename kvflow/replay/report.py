@@ -20,7 +20,7 @@ import numpy as np
 
 from kvflow.engine import Engine, RequestState
 from kvflow.profile import LINKS
-from kvflow.replay.load import load_section, queue_growth, slo_section
+from kvflow.replay.load import load_section, pd_utilization, queue_growth, slo_section
 from kvflow.replay.transfer_log import TransferLog, summarize_transfers
 from kvflow.runtime import Runtime
 
@@ -47,6 +47,11 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
                                   cfg.max_batch_tokens, cfg.max_running, cfg.instances,
                                   engine.get("compute_busy_s"), body.get("sim_time_s"), waits,
                                   **setup.load_kwargs())
+    if report.get("pd"):
+        pd = report["pd"]
+        pd["utilization_predicted"] = pd_utilization(report["load"], pd["prefill_instances"],
+                                                     pd["decode_instances"])
+        report["load"]["overloaded"] |= bool(pd["utilization_predicted"]["overloaded"])
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
 
@@ -95,7 +100,7 @@ class Sampler:
             self.next_sample += self.interval
             steps = engine.stats.steps
             if (steps == last_steps and not engine.runtime.tasks
-                    and (engine.waiting or engine.running)):
+                    and (engine.waiting or engine.running) and not engine.waits_on_peer):
                 return
             last_steps = steps
 
