@@ -19,6 +19,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvflow.belady import FutureUses
 from kvflow.blocks import BlockPool
 from kvflow.errors import ConfigError, NotEnoughBlocks
 from kvflow.policy import PrefetchPolicy, WritePolicy
@@ -34,6 +35,7 @@ from kvflow.radix import (
     has_other_copy,
     set_inflight,
 )
+from kvflow.ranked import BlockCosts
 
 # Enum member lookups cost ~0.1 us each on CPython 3.11; these aliases keep
 # them off every request's path.
@@ -172,14 +174,21 @@ class CacheManager:
         write_policy: WritePolicy | str = "write_through",
         prefetch_policy: PrefetchPolicy | str = "best_effort",
         index_core: str | None = None,
+        *,
+        future: FutureUses | None = None,
+        costs: BlockCosts | None = None,
     ) -> None:
         """``index_core``: "native", "python" or "auto" (None: ``KVFLOW_INDEX_CORE``,
-        else auto); see ``kvflow.radix``."""
+        else auto); see ``kvflow.radix``. ``future``: the trace's next uses, for the
+        offline ``belady`` policy (``plan`` moves its clock to each request it
+        plans); ``costs``: what a block costs to get back, for ``cost_aware``."""
         self.capacities = capacities
         self.pools = [
             BlockPool(capacities[t], Tier(t).name.lower()) for t in (0, 1, 2)
         ]
-        self.index = PrefixIndex([capacities[t] for t in (0, 1, 2)], eviction, index_core)
+        self.future = future
+        self.index = PrefixIndex([capacities[t] for t in (0, 1, 2)], eviction, index_core,
+                                 future=future, costs=costs)
         self.write_policy = (
             WritePolicy(write_policy) if isinstance(write_policy, str) else write_policy
         )
@@ -262,6 +271,8 @@ class CacheManager:
         becomes evictable only once it lands, so the same plan may fit then.
         """
         keys = tuple(keys)
+        if self.future is not None:
+            self.future.advance(request_id)
         index = self.index
         matched = index.match(keys)
         if not use_storage:  # only what has landed: no storage read, none still in flight

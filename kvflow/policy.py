@@ -17,7 +17,10 @@ from itertools import islice
 from types import ModuleType
 from typing import Any, Protocol
 
+from kvflow.arc import ARC
+from kvflow.belady import Belady, FutureUses
 from kvflow.errors import ConfigError
+from kvflow.ranked import BlockCosts, CostAware, LengthAware
 
 
 def _load_native_core() -> ModuleType | None:
@@ -337,21 +340,47 @@ class S3FIFO:
                 yield node
 
 
-EVICTION_POLICIES: dict[str, Callable[[int], EvictionPolicy]] = {
+#: Eviction policies by name: the online ones, then the offline optimum. Constructors
+#: take the tier's capacity; ``make_eviction_policy`` gives the rest what they need.
+EVICTION_POLICIES: dict[str, Callable[..., EvictionPolicy]] = {
     "lru": LRU,
     "lfu": LFU,
     "s3fifo": S3FIFO,
+    "arc": ARC,
+    "length_aware": LengthAware,
+    "cost_aware": CostAware,
+    "belady": Belady,
 }
+#: Policies that read the future: yardsticks for a replayed trace, never for deployment.
+OFFLINE_POLICIES = frozenset({"belady"})
+#: What ``--eviction`` takes, for help texts.
+EVICTION_HELP = ("lru, lfu, s3fifo, arc, length_aware or cost_aware; belady is the offline "
+                 "optimum (reads the trace's future: a yardstick, not deployable)")
 
 
-def make_eviction_policy(name: str, capacity: int) -> EvictionPolicy:
-    """The eviction policy called ``name`` for a tier of ``capacity`` blocks."""
-    try:
-        factory = EVICTION_POLICIES[name.lower()]
-    except KeyError:
+def eviction_label(name: str) -> str:
+    """``name`` as reports print it: the offline optimum says that it is offline."""
+    return f"{name} (offline)" if name.lower() in OFFLINE_POLICIES else name
+
+
+def make_eviction_policy(name: str, capacity: int, tier: int = 0, *,
+                         future: FutureUses | None = None,
+                         costs: BlockCosts | None = None) -> EvictionPolicy:
+    """The eviction policy called ``name`` for ``tier``, a tier of ``capacity`` blocks.
+
+    ``future``: the trace's next uses, which ``belady`` (offline) needs; ``costs``:
+    what blocks cost to get back, for ``cost_aware`` (default: ``DEFAULT_COSTS``).
+    """
+    key = name.lower()
+    factory = EVICTION_POLICIES.get(key)
+    if factory is None:
         raise ConfigError(
             f"unknown eviction policy {name!r}; valid: {', '.join(EVICTION_POLICIES)}"
-        ) from None
+        )
+    if key == "belady":
+        return Belady(capacity, future)
+    if key == "cost_aware":
+        return CostAware(capacity, tier, costs)
     return factory(capacity)
 
 

@@ -23,6 +23,7 @@ from enum import IntEnum
 from typing import Any
 
 from kvflow import index_core
+from kvflow.belady import FutureUses
 from kvflow.errors import ConfigError
 from kvflow.index_core import (
     ABSENT,
@@ -36,6 +37,7 @@ from kvflow.index_core import (
     Node,
 )
 from kvflow.policy import NATIVE_CORE, EvictionPolicy, LinkedLRU, make_eviction_policy
+from kvflow.ranked import BlockCosts
 
 __all__ = [
     "ABSENT", "COMPUTING", "CORES", "FILLING", "NATIVE_CORE", "READY", "STATE_NAMES", "TIERS",
@@ -95,16 +97,24 @@ class PrefixIndex:
     """
 
     def __init__(self, capacities: Sequence[int], eviction: str = "lru",
-                 core: str | None = None) -> None:
+                 core: str | None = None, *, future: FutureUses | None = None,
+                 costs: BlockCosts | None = None) -> None:
+        """``future`` and ``costs``: what ``belady`` and ``cost_aware`` need (see
+        ``kvflow.policy.make_eviction_policy``)."""
         native = _pick_core(core)
         self.native = native
         self.node_type: Callable[..., Node] = NATIVE_CORE.Node if native else Node  # type: ignore[union-attr]
         self.nodes: dict[Hashable, Node] = {}
         self.policies: list[EvictionPolicy] = [
-            make_eviction_policy(eviction, cap) for cap in capacities
+            make_eviction_policy(eviction, cap, t, future=future, costs=costs)
+            for t, cap in zip(TIERS, capacities, strict=True)
         ]
         if native and eviction.lower() == "lru":  # the same order, linked through the nodes
             self.policies = [LinkedLRU(t) for t in TIERS]  # type: ignore[misc]
+        for p in self.policies:  # policies that weigh the other tiers' copies meet them
+            bind = getattr(p, "bind", None)
+            if bind is not None:
+                bind(self.policies)
         # Tiers that can hold copies at all: bulk paths skip the others.
         self.tiers = tuple(t for t in TIERS if capacities[t] > 0)
         # READY copies with ref == 0, per tier: what eviction could free at most.

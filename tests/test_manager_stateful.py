@@ -27,10 +27,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvflow.belady import FutureUses
 from kvflow.errors import NotEnoughBlocks
 from kvflow.manager import CacheManager, Capacities
-from kvflow.policy import WritePolicy
+from kvflow.policy import EVICTION_POLICIES, WritePolicy
 from kvflow.radix import ABSENT, COMPUTING, NATIVE_CORE, Tier
+from kvflow.ranked import BlockCosts
 
 # Both index cores where the native one was built (test_index_core.py says when it must be).
 CORES = ["python", "native"] if NATIVE_CORE is not None else ["python"]
@@ -46,17 +48,21 @@ class ManagerMachine(RuleBasedStateMachine):
         # within a run, so that prefetches and storage reads happen.
         dev=st.integers(2, 5) | st.integers(2, 10), host=st.integers(1, 3) | st.integers(0, 10),
         storage=st.integers(0, 12),
-        eviction=st.sampled_from(["lru", "lfu", "s3fifo"]),
+        eviction=st.sampled_from(sorted(EVICTION_POLICIES)),
+        # Belady's future: requests that may or may not be the ones the machine makes
+        # (ids 0, 1, ...): a wrong future must cost hits only, never an invariant.
+        future=st.lists(prompts, max_size=12),
         write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         threshold=st.integers(0, 2),
         prefetch=st.sampled_from(["best_effort", "wait_complete"]),
         core=st.sampled_from(CORES),
     )
-    def setup(self, dev, host, storage, eviction, write, threshold, prefetch, core):
+    def setup(self, dev, host, storage, eviction, write, threshold, prefetch, core, future):
         self.m = CacheManager(
             Capacities(dev, host, storage), eviction=eviction,
             write_policy=WritePolicy(write, threshold=threshold), prefetch_policy=prefetch,
-            index_core=core)
+            index_core=core, future=FutureUses(future),
+            costs=BlockCosts(1.0, 0.25, (0.0, 0.2, 0.6)))
         # As the engine does: best effort uses only what has reached host by now.
         self.use_storage = prefetch != "best_effort"
         self.open = []

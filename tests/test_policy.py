@@ -72,8 +72,8 @@ def test_candidates_survive_removal_while_scanning():
 
 
 def test_unknown_names_list_valid_ones():
-    with pytest.raises(ConfigError, match="lru, lfu, s3fifo"):
-        make_eviction_policy("arc", 10)
+    with pytest.raises(ConfigError, match="lru, lfu, s3fifo, arc, length_aware, cost_aware, bel"):
+        make_eviction_policy("mru", 10)
     with pytest.raises(ConfigError, match="write_back"):
         WritePolicy("sometimes")
     with pytest.raises(ConfigError, match="wait_complete"):
