@@ -27,7 +27,8 @@ run, user_error = cli.run, cli.user_error
 def test_stats_table() -> None:
     code, out, _ = run("stats", sample_path())
     assert code == 0
-    for words in ("requests", "1,000", "mooncake", "hit ceiling", "LRU cache hit ratio"):
+    for words in ("requests", "1,000", "mooncake", "hit ceiling", "LRU cache hit ratio",
+                  "offline optimum"):
         assert words in out
 
 
@@ -39,6 +40,9 @@ def test_stats_json_sample_shortcut() -> None:
         "mooncake", 1000, 330.0, 512,
     )  # fmt: skip
     assert d["input_len"]["max"] == 121924 and d["lru_hit_curve"]
+    lru, opt = dict(map(tuple, d["lru_hit_curve"])), dict(map(tuple, d["optimum_hit_curve"]))
+    assert all(opt[c] >= lru[c] for c in lru)  # the LRU curve stays under it here
+    assert opt[max(opt)] == d["block_hit_ceiling"]
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason=f"public traces not found at {SHARED}")

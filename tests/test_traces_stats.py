@@ -45,14 +45,21 @@ def test_hand_built_trace() -> None:
     assert (s.reuse_distance.p50, s.reuse_distance.max) == (1.5, 3.0)
     assert s.reuse_histogram == [(1, 0), (2, 3), (4, 3)]
     assert s.lru_hit_curve == [(1, 0.0), (2, 0.3), (4, 0.6)]
+    # The offline optimum, request by request (kvflow keeps a request's first C blocks):
+    # C=1: block 1 each time, 3 hits; C=2: 1,2 | 1,2 hit | 1 hit, 4 evicts 2 | 1 hit: 4;
+    # C=4: everything fits, the ceiling.
+    assert s.optimum_hit_curve == [(1, 0.3), (2, 0.4), (4, 0.6)]
     assert (s.sessions, s.tenants, s.skipped) == (2, 1, 0)
     d = s.to_dict()
     assert d["input_len"]["p50"] == 9.0 and d["lru_hit_curve"][-1] == [4, 0.6]
+    assert d["optimum_hit_curve"][-1] == [4, 0.6]
 
 
 def test_reuse_off_and_empty() -> None:
     s = trace_stats(HAND, block_tokens=4, reuse=False)
     assert s.reuse_distance is None and s.lru_hit_curve == []
+    assert s.optimum_hit_curve[-1] == (4, 0.6)
+    assert trace_stats(HAND, block_tokens=4, optimum=False).optimum_hit_curve == []
     e = trace_stats([])
     assert (e.requests, e.total_blocks, e.arrival_rate, e.block_hit_ceiling) == (0, 0, None, 0.0)
     one = trace_stats([Request(0, 0.0, 3, 1, (5,))])

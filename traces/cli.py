@@ -112,6 +112,21 @@ def _render(tr: Trace, s: TraceStats, console: Console) -> None:
             of = hit / s.block_hit_ceiling if s.block_hit_ceiling else None
             curve.add_row(f"{cap:,}", f"{cap * s.block_tokens:,}", _pct(hit), _pct(of))
         console.print(curve)
+    if s.optimum_hit_curve:
+        opt = Table(title="offline optimum (Belady's MIN: reads the future) hit ratio by "
+                          "capacity", title_justify="left")
+        for col in ("blocks", "tokens", "hit ratio", "of ceiling", "LRU"):
+            opt.add_column(col, justify="right")
+        lru = dict(s.lru_hit_curve)
+        for cap, hit in s.optimum_hit_curve:
+            if hit <= 0:
+                continue
+            of = hit / s.block_hit_ceiling if s.block_hit_ceiling else None
+            opt.add_row(f"{cap:,}", f"{cap * s.block_tokens:,}", _pct(hit), _pct(of),
+                        _pct(lru.get(cap)))
+            if of is not None and of >= 1:
+                break
+        console.print(opt)
 
 
 @trace_app.command(cls=_OneLineCommand)
@@ -128,16 +143,21 @@ def stats(
     reuse: bool = typer.Option(
         True, "--reuse/--no-reuse", help="Compute the reuse-distance distribution (n log n)."
     ),
+    optimum: bool = typer.Option(
+        True, "--optimum/--no-optimum",
+        help="Compute the offline optimum's (Belady's MIN) hit curve: one pass per capacity.",
+    ),
 ) -> None:
-    """Requests, arrival rate, lengths, unique blocks, hit ceilings, reuse distances."""
+    """Requests, arrival rate, lengths, unique blocks, hit ceilings, reuse distances,
+    and the offline optimum's hit ratio by capacity."""
     err = Console(stderr=True)
     with user_errors():
         tr = _open(file, fmt, skip_bad, block_tokens)
         if err.is_terminal and not as_json:
             with err.status(f"reading {tr.path} ...", spinner="dots"):
-                s = trace_stats(tr, reuse=reuse)
+                s = trace_stats(tr, reuse=reuse, optimum=optimum)
         else:
-            s = trace_stats(tr, reuse=reuse)
+            s = trace_stats(tr, reuse=reuse, optimum=optimum)
     _warn_skipped(tr)
     if as_json:
         out = {"path": tr.path, "format": tr.format, **s.to_dict()}
