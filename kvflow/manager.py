@@ -572,7 +572,11 @@ class CacheManager:
         """The request's forward pass has written its new blocks: make them matchable."""
         if plan.committed:
             return
-        self.index.mark_computed(plan.computing)
+        # Tail-first, as requests release blocks: a policy that orders blocks from
+        # the moment they are ready (S3-FIFO's queues) then meets a request's leaf
+        # before its parents. Root-first, every eviction scanned past the inner
+        # nodes the index must decline (S3-FIFO at ~90x LRU's time in cache mode).
+        self.index.mark_computed(plan.computing[::-1])
         plan.computing.clear()
         plan.committed = True
 

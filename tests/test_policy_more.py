@@ -266,3 +266,16 @@ def test_cost_aware_rerank_below_the_bucket_being_emptied(core):
     m.finish(p)
     m.plan(2, [(0,)], 1)
     m.check_invariants()
+
+
+def test_commit_makes_a_request_ready_leaf_first(core):
+    """S3-FIFO orders a block from the moment it is ready; a request's blocks must
+    enter its queue tail-first (as they are released), or each eviction scans past
+    the inner blocks the index has to decline (it ran ~90x LRU's time)."""
+    m = CacheManager(Capacities(4), eviction="s3fifo", index_core=core)
+    keys = [(0,), (0, 1), (0, 1, 2)]
+    p = m.plan(0, keys)
+    m.commit(p)
+    assert [n.key for n in m.index.policies[0]._small] == keys[::-1]
+    m.finish(p)
+    m.check_invariants()

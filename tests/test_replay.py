@@ -194,7 +194,7 @@ def test_cli_replay_writes_report_and_refuses_overwrite(tmp_path):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--eviction", "arc"], "lru, lfu, s3fifo"),
+    (["--eviction", "mru"], "lru, lfu, s3fifo, arc"),
     (["--write-policy", "never"], "write_back"),
     (["--model", "gpt-9"], "llama-3-8b"),
     (["--profile", "tpu"], "h100"),

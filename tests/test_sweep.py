@@ -57,7 +57,7 @@ def test_parse_typed_values() -> None:
         ("host_blocks=1.5", "expected an integer"),
         ("host_blocks=-1", "host_blocks=-1: must be >= 0"),
         ("seed=none", "seed=none: expected an integer"),
-        ("eviction=lru,arc", "eviction=arc: unknown value; valid: lru, lfu, s3fifo"),
+        ("eviction=lru,mru", "eviction=mru: unknown value; valid: lru, lfu, s3fifo, arc"),
         ("write_policy=back", "valid: write_through, write_through_selective, write_back"),
         ("mode=fast", "mode=fast: unknown value; valid: full, cache"),
         ("sample_interval_s=0", "must be > 0"),
