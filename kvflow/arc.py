@@ -17,7 +17,8 @@ or a ghost hit. ``p`` is compared with T1's unreferenced blocks.
 Leaves first: within a list, a request releases its blocks tail-first, so a
 parent is more recent than its children. Across lists a T2 parent can come
 before its T1 child; the index declines it, and ``candidates`` moves a
-declined block behind the rest of its list, as LRU does.
+declined block behind the rest of its list, as LRU does, and offers the
+other list's next.
 """
 
 from __future__ import annotations
@@ -165,20 +166,33 @@ class ARC:
             (self._b1 if where == 1 else self._b2).pop(node.key, None)
 
     def candidates(self) -> Iterator[Any]:
-        """Victims in REPLACE's order; a declined one moves behind the rest of its list."""
+        """Victims in REPLACE's order; a declined one moves behind the rest of its list,
+        and the next candidate comes from the other list (else a list of pinned
+        parents, T2's shared prefixes say, is scanned whole at every eviction)."""
         offered: set[Any] = set()
-        for _ in range(len(self._t1) + len(self._t2)):
+        t1, t2 = self._t1, self._t2
+        switch = False
+        for _ in range(len(t1) + len(t2)):
             od = self._victim_list()
             if od is None:
                 return
+            alt = t2 if od is t1 else t1
+            if switch and alt:
+                od, alt = alt, od
             node = next(iter(od))
             if node in offered:
-                break
+                node = next(iter(alt), None) if alt else None
+                if node is None or node in offered:
+                    break
+                od = alt
             offered.add(node)
             yield node
             if node in od:
                 od.move_to_end(node)
-        for node in [*self._t1, *self._t2]:
+                switch = not switch
+            else:
+                switch = False
+        for node in [*t1, *t2]:
             if node not in offered:
                 offered.add(node)
                 yield node
