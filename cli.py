@@ -16,8 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from kvflow.errors import KvflowError
+from kvflow.policy import EVICTION_HELP
 from kvflow.realtime.pd_cli import register as register_pd_commands
 from kvflow.reports.cli import register as register_report_commands
+from kvflow.reports.render import headroom_rows
 from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
 
 app = typer.Typer(
@@ -126,6 +128,15 @@ def print_summary(report: dict[str, Any], console: Console) -> None:
         console.print(f"shared pool: {pool['blocks']:,} of {pool['capacity_blocks']:,} blocks "
                       f"held, {pool['published']:,} written, {pool['evicted']:,} evicted, "
                       f"{pool['imported_copies']:,} found by other instances{held}")
+    head = headroom_rows(report)
+    if head is not None:
+        columns, rows, note = head
+        h = Table(title="headroom: the policy beside the offline optimum", caption=note)
+        for i, col in enumerate(columns):
+            h.add_column(col, justify="left" if i == 0 else "right")
+        for row in rows:
+            h.add_row(*row)
+        console.print(h)
     if report.get("ttft_s"):
         world = "on the GPU" if cfg.get("backend") == "cuda" else "simulated"
         lat = Table(title=f"{report['requests']:,} requests in {report['sim_time_s']:.1f} s "
@@ -257,7 +268,7 @@ def replay(
     device_gb: Annotated[float | None, typer.Option(help="Device tier in GiB.")] = None,
     host_gb: Annotated[float | None, typer.Option(help="Host tier in GiB.")] = None,
     storage_gb: Annotated[float | None, typer.Option(help="Storage tier in GiB.")] = None,
-    eviction: Annotated[str, typer.Option(help="lru, lfu or s3fifo.")] = "lru",
+    eviction: Annotated[str, typer.Option(help=EVICTION_HELP + ".")] = "lru",
     write_policy: Annotated[str, typer.Option(
         help="write_through, write_through_selective or write_back.")] = "write_through",
     write_threshold: Annotated[int, typer.Option(

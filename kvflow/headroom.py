@@ -19,11 +19,16 @@ rates are over all prompt blocks, as the replay's.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from traces.optimum import optimum_curve, optimum_hits
 
-__all__ = ["TIER_NAMES", "optimum_curve", "optimum_hit_rates", "optimum_hits",
-           "tier_hits"]
+__all__ = ["METHOD", "TIER_NAMES", "headroom_section", "optimum_curve", "optimum_hit_rates",
+           "optimum_hits", "tier_hits"]
+
+#: How the report's optimum was computed, in one line (reports print it).
+METHOD = ("Belady's MIN over the whole trace (offline: it reads the future), cache mode, "
+          "tiers exclusive; a bound for the tiers down to each one together")
 
 TIER_NAMES = ("device", "host", "storage")
 
@@ -56,3 +61,21 @@ def optimum_hit_rates(requests: Sequence[Sequence[Hashable]], capacities: Sequen
     d = {name: (h / blocks if blocks else 0.0) for name, h in zip(TIER_NAMES, hits, strict=True)}
     d["total"] = sum(hits) / blocks if blocks else 0.0
     return d
+
+
+def headroom_section(requests: Sequence[Sequence[Hashable]], capacities: Sequence[int],
+                     eviction: str, instances: int = 1) -> dict[str, Any]:
+    """The report's ``headroom``: the offline optimum's hit rates per tier at the
+    replay's capacities (``optimum``, as the report's ``hit_rate``), the policy they
+    are set against and how they were computed (its time is in the report's
+    ``wall_s``). A cluster's instances each see part of the trace: no single-cache
+    optimum applies (``optimum`` None)."""
+    from kvflow.policy import eviction_label
+
+    out: dict[str, Any] = {"eviction": eviction_label(eviction), "method": METHOD,
+                           "optimum": None}
+    if instances != 1:
+        out["note"] = "not computed for a cluster of instances"
+        return out
+    out["optimum"] = optimum_hit_rates(requests, capacities)
+    return out

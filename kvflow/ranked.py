@@ -161,19 +161,25 @@ class BucketedPolicy:
         """``push_front`` put a node back in bucket ``rank``."""
 
     def candidates(self) -> Iterator[Any]:
-        """Every node once, lowest bucket first; a declined node moves behind the
-        rest of its bucket (as LRU's scan does)."""
+        """Every node once, lowest bucket first; a node the caller declines goes
+        behind the rest (``_declined``), so that the next scan does not meet it first."""
+        offered: set[Any] = set()
         for r in sorted(self._buckets):
             b = self._buckets.get(r)
             for _ in range(len(b) if b else 0):
                 node = next(iter(b), None)  # type: ignore[arg-type]
-                if node is None:
+                if node is None or node in offered:
                     break
+                offered.add(node)
                 yield node
                 if node in b:  # type: ignore[operator]
-                    b.move_to_end(node)  # type: ignore[union-attr]
+                    self._declined(node, r, b)  # type: ignore[arg-type]
                 else:
                     self._taken(r)
+
+    def _declined(self, node: Any, rank: int, bucket: OrderedDict[Any, Any]) -> None:
+        """The index declined ``node`` (pinned by a child): behind the rest of its bucket."""
+        bucket.move_to_end(node)
 
     def tracked(self) -> set[Any]:
         out: set[Any] = set()
@@ -291,6 +297,23 @@ class BlockCosts:
         host = nbytes / host_Bps
         return cls(base, per_depth, (0.0, host, host + nbytes / storage_Bps), nbytes)
 
+    @classmethod
+    def from_profile(cls, spec: ModelSpec, profile: Any) -> BlockCosts:
+        """Costs under a replay's cost model and links (``kvflow.cost.CostModel`` on a
+        ``kvflow.profile.GpuProfile``): a prefill of the block alone, after 0 and
+        after 1 cached block (the model is linear in depth past that), and one unit
+        over the host -> device link (storage: the read, then that)."""
+        from kvflow.cost import CostModel
+
+        cm = CostModel(spec, profile)
+        bt = spec.block_tokens
+        at0 = spec.num_layers * cm.layer_time([(bt, 0)], [])
+        at1 = spec.num_layers * cm.layer_time([(bt, bt)], [])
+        nbytes = spec.bytes_per_block
+        host = profile.h2d.unit_time(nbytes)
+        storage = profile.storage_read.unit_time(nbytes) + host
+        return cls(at0, max(at1 - at0, 0.0), (0.0, host, storage), nbytes)
+
     def recompute(self, depth: int) -> float:
         return self.recompute_s + self.recompute_per_depth_s * depth
 
@@ -344,6 +367,7 @@ class CostAware(BucketedPolicy):
         self._clock_before = 0.0
         self._above: CostAware | None = None  # the tier above's policy, told of our copies
         self._where: dict[Any, int] = {}  # node -> its bucket
+        self._last: tuple[Any, float] | None = None  # the node placed last, and its rank
         own = c.load_s[tier]
         worth = [max(c.load_s[t] - own, 0.0) for t in (1, 2)]
         worth.append(max(c.recompute_s - own, 0.0))
@@ -379,12 +403,23 @@ class CostAware(BucketedPolicy):
         route = self._route(node)
         worth = self._re0 + self._re1 * node.depth if route < 0 else self._load_worth[route]
         rank = self.clock + (node.hits + 1) * (worth if worth > 0.0 else 0.0)
+        last = self._last
+        if last is not None and last[0].parent is node and last[1] > rank:
+            rank = last[1]  # copies land tail-first too: the child placed just before
         if rank < floor:
             rank = floor
         r = int(rank)
         self._add(node, r, route)
         self._where[node] = r
+        self._last = (node, rank)
         return rank
+
+    def _declined(self, node: Any, rank: int, bucket: OrderedDict[Any, Any]) -> None:
+        """A parent pinned by its children: ranked again, behind this bucket (GDSF's
+        "used now" rank, at least), as LRU moves a declined block to its end."""
+        del bucket[node]
+        del self._where[node]
+        self._place(node, floor=rank + 1)
 
     def _rank_of(self, node: Any) -> int | None:
         return self._where.get(node)

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvflow.belady import FutureUses
 from kvflow.engine import EngineRequest
 from kvflow.errors import ConfigError
 from kvflow.hashing import BlockHasher, ExtraKeys
 from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities
-from kvflow.policy import PrefetchPolicy, WritePolicy
+from kvflow.policy import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from kvflow.profile import GpuProfile, Link, load_profile, tensor_parallel_links
+from kvflow.ranked import BlockCosts
 from kvflow.replay.cluster_file import InstanceGroup, read_cluster_file
 from kvflow.world import WORLDS, TierRequest, World, blocks_for_gb, default_capacities
 from traces import Request, open_trace, sample_path
@@ -55,6 +57,7 @@ class ReplayConfig:
     device_gb: float | None = None
     host_gb: float | None = None
     storage_gb: float | None = None
+    #: Eviction policy (``kvflow.policy.EVICTION_POLICIES``; ``belady`` is offline).
     eviction: str = "lru"
     write_policy: str = "write_through"
     write_threshold: int = 1
@@ -104,6 +107,10 @@ class ReplayConfig:
     # -- the cuda world ---------------------------------------------------------------------
     #: Its executor (``EXECUTORS``); None: "fast".
     executor: str | None = None
+    # -- reports --------------------------------------------------------------------------------
+    #: Report the offline optimum's hit rates at the same capacities beside the policy's
+    #: (``kvflow.headroom``: Belady's MIN in cache mode, a few tenths of a second).
+    headroom: bool = True
     # -- the instances' hardware ----------------------------------------------------------------
     #: GPUs each instance spans (tensor parallelism): weights and KV split that many ways,
     #: one PCIe link per GPU, two all-reduces per layer (``kvflow.cost``).
@@ -180,6 +187,9 @@ class ReplayConfig:
                 raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
         self._check_hardware()
         # Fail early, with the field named, rather than mid-replay.
+        if self.eviction.lower() not in EVICTION_POLICIES:
+            raise ConfigError(f"unknown eviction policy {self.eviction!r}; "
+                              f"valid: {', '.join(EVICTION_POLICIES)}")
         WritePolicy(self.write_policy, threshold=self.write_threshold)
         PrefetchPolicy(self.prefetch_policy)
 
@@ -451,14 +461,30 @@ def instance_capacities(cfg: ReplayConfig, capacities: Capacities, i: int) -> Ca
     return capacities if i < parse_pd(cfg.pd)[0] else Capacities(capacities.device)
 
 
-def make_manager(cfg: ReplayConfig, capacities: Capacities) -> CacheManager:
-    """One instance's manager (with a shared pool, one whose storage is its view of it)."""
+def make_manager(cfg: ReplayConfig, capacities: Capacities,
+                 setup: Setup | None = None) -> CacheManager:
+    """One instance's manager (with a shared pool, one whose storage is its view of it).
+
+    ``belady`` (offline) reads the future from ``setup``'s requests, as the mode
+    plans them (cache mode keeps each request's first ``device`` blocks);
+    ``cost_aware`` weighs blocks under the replay's cost model and links."""
     kind = CacheManager
     if cfg.has_pool:
         from kvflow.cluster.pool import PoolViewManager  # the cluster sits above the driver
 
         kind = PoolViewManager
+    future = costs = None
+    eviction = cfg.eviction.lower()
+    if eviction in ("belady", "cost_aware") and setup is None:
+        raise ConfigError(f"eviction {cfg.eviction!r} needs the replay's setup "
+                          "(make_manager(cfg, capacities, setup))")
+    if eviction == "belady" and setup is not None:
+        cut = capacities.device if cfg.mode == "cache" else None
+        future = FutureUses((r.keys[:cut] for r in setup.requests),
+                            ids=[r.request_id for r in setup.requests])
+    if eviction == "cost_aware" and setup is not None:
+        costs = BlockCosts.from_profile(setup.spec, setup.profile)
     return kind(
         capacities, eviction=cfg.eviction,
         write_policy=WritePolicy(cfg.write_policy, threshold=cfg.write_threshold),
-        prefetch_policy=PrefetchPolicy(cfg.prefetch_policy))
+        prefetch_policy=PrefetchPolicy(cfg.prefetch_policy), future=future, costs=costs)

@@ -77,7 +77,7 @@ def run_replay(cfg: ReplayConfig,
         if cfg.instances == "auto":
             cfg = dataclasses.replace(cfg, instances=1)
         setup = resolve(cfg)
-        manager = make_manager(cfg, setup.capacities)
+        manager = make_manager(cfg, setup.capacities, setup)
         body = _replay_cache(setup, manager, progress)
         if inspect is not None:
             inspect(manager, None)
@@ -88,7 +88,7 @@ def run_replay(cfg: ReplayConfig,
     auto = cfg.instances == "auto"
     if auto:
         cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
-    manager = make_manager(cfg, setup.capacities)
+    manager = make_manager(cfg, setup.capacities, setup)
     body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect, timeout_s))
     report = assemble_report(cfg, setup, manager, body, t0)
     report["load"]["instances_auto"] = auto
@@ -149,7 +149,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
     through the router (one instance: ``manager`` is its manager), each on its own
     hardware (``Setup.instance_specs``), sharing a pool where the config has one."""
     specs = setup.instance_specs(cfg.instances)
-    managers = [manager] + [make_manager(cfg, instance_capacities(cfg, s.capacities, i))
+    managers = [manager] + [make_manager(cfg, instance_capacities(cfg, s.capacities, i),
+                                         setup)
                             for i, s in enumerate(specs) if i > 0]
     pool = make_pool(cfg, setup)
     sites: list[Site] = []

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvflow.engine import Engine, RequestState
+from kvflow.headroom import headroom_section
 from kvflow.profile import LINKS
 from kvflow.replay.load import load_section, pd_utilization, queue_growth, slo_section
 from kvflow.replay.transfer_log import TransferLog, summarize_transfers
@@ -52,6 +53,10 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         pd["utilization_predicted"] = pd_utilization(report["load"], pd["prefill_instances"],
                                                      pd["decode_instances"])
         report["load"]["overloaded"] |= bool(pd["utilization_predicted"]["overloaded"])
+    if cfg.headroom:
+        caps = [setup.capacities[t] for t in (0, 1, 2)]
+        report["headroom"] = headroom_section([r.keys for r in setup.requests], caps,
+                                              cfg.eviction, cfg.instances)
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
 

@@ -114,6 +114,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("requests", "requests", "count"),
     Metric("rejected", "rejected", "count", -1),
     *(Metric(f"hit_rate.{t}", f"hit rate {t}", "pct", +1) for t in (*TIERS, "total")),
+    *(Metric(f"headroom.optimum.{t}", f"offline optimum {t}", "pct", +1)
+      for t in (*TIERS, "total")),
     *_latency("ttft_s", "TTFT"),
     *_latency("tpot_s", "TPOT"),
     *_latency("e2e_s", "E2E"),
@@ -335,6 +337,9 @@ def sections(report: Mapping[str, Any]) -> list[Section]:
             note="hit rate: share of prompt blocks",
         )
     )
+    head = headroom_rows(report)
+    if head is not None:
+        out.append(Section("headroom", head[0], head[1], note=head[2]))
 
     stats = ("mean", "p50", "p90", "p99")
     lat = tuple(
@@ -371,6 +376,35 @@ def sections(report: Mapping[str, Any]) -> list[Section]:
     )
     out.extend(_load_sections(report, flat))
     return out
+
+
+def headroom_rows(report: Mapping[str, Any]
+                  ) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...], str] | None:
+    """Columns, rows and note of the policy's hit rate beside the offline optimum's at
+    the same capacities, tier by tier down the hierarchy (each row: the tiers down to
+    it together, where the optimum is a bound); None if the report has no optimum."""
+    head = report.get("headroom")
+    if not isinstance(head, Mapping) or not isinstance(head.get("optimum"), Mapping):
+        return None
+    cfg, hit, opt = report.get("config") or {}, report.get("hit_rate") or {}, head["optimum"]
+    rows = []
+    names: list[str] = []
+    blocks = 0
+    mine = best = 0.0
+    for t in TIERS:
+        cap = as_number(cfg.get(f"{t}_blocks"))
+        h, o = as_number(hit.get(t)), as_number(opt.get(t))
+        if not cap or h is None or o is None:
+            continue
+        names.append(t)
+        blocks += cap
+        mine += h
+        best += o
+        rows.append((" + ".join(names), fmt_count(blocks), fmt_pct(mine), fmt_pct(best),
+                     fmt_pct(mine / best if best else None)))
+    policy = str(head.get("eviction") or cfg.get("eviction") or "policy")
+    note = f"offline optimum: {head.get('method', 'Belady')}"
+    return ("tiers", "blocks", policy, "offline optimum", "of optimum"), tuple(rows), note
 
 
 def _load_sections(report: Mapping[str, Any], flat: Mapping[str, Any]) -> list[Section]:

@@ -83,7 +83,8 @@ def sweep_plots(
     for r in results:
         if r.report is None:
             continue
-        label = ", ".join(f"{n}={value_word(r.point.params[n])}" for n in others)
+        label = ", ".join(f"{n}={value_word(r.point.params[n])}{_offline(n, r.point.params[n])}"
+                          for n in others)
         xv = r.point.params[xname]
         xpos = float(xv) if numeric else float(xvals.index(xv))
         series.setdefault(label, []).append((xpos, flatten(r.report)))
@@ -125,6 +126,7 @@ def sweep_plots(
             marker="o",
             label=label or None,
         )
+    _optimum_lines(ax, series)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_ylim(bottom=0)
     out["hit_rate"] = finish(fig, ax)
@@ -147,6 +149,30 @@ def sweep_plots(
         ax.set_ylim(bottom=0)
         out["ttft"] = finish(fig, ax)
     return out
+
+
+def _offline(name: str, value: Any) -> str:
+    """`` (offline)`` after a policy that reads the future (``belady``)."""
+    from kvflow.policy import OFFLINE_POLICIES
+
+    return " (offline)" if name == "eviction" and value in OFFLINE_POLICIES else ""
+
+
+def _optimum_lines(ax: Any, series: dict[str, list[tuple[float, dict[str, Any]]]]) -> None:
+    """The offline optimum (reports' ``headroom``) as the upper line: one per distinct
+    curve (it depends on the capacities and the trace, not on the policies), dashed."""
+    curves: dict[tuple[tuple[float, float], ...], list[str]] = {}
+    for label, pts in series.items():
+        line = tuple((p[0], p[1]["headroom.optimum.total"]) for p in pts
+                     if p[1].get("headroom.optimum.total") is not None)
+        if line:
+            curves.setdefault(line, []).append(label)
+    for i, (line, labels) in enumerate(curves.items()):
+        name = "offline optimum (Belady)"
+        if len(curves) > 1:
+            name += f": {labels[0]}" if len(labels) == 1 else f" {i + 1}"
+        ax.plot([x for x, _ in line], [y for _, y in line], color="black", linestyle="--",
+                linewidth=1.2, label=name)
 
 
 def _nan(v: float | None) -> float:
