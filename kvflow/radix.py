@@ -36,7 +36,13 @@ from kvflow.index_core import (
     USABLE,
     Node,
 )
-from kvflow.policy import NATIVE_CORE, EvictionPolicy, LinkedLRU, make_eviction_policy
+from kvflow.policy import (
+    NATIVE_CORE,
+    EvictionPolicy,
+    LinkedLengthAware,
+    LinkedLRU,
+    make_eviction_policy,
+)
 from kvflow.ranked import BlockCosts
 
 __all__ = [
@@ -54,6 +60,11 @@ class Tier(IntEnum):
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.STORAGE)
 #: Names of the index cores ``PrefixIndex(core=...)`` takes.
 CORES = ("auto", "native", "python")
+#: Policies the native core keeps in its own nodes (the same order as their Python
+#: classes, which the Python core uses; ``tests/test_index_core_equivalence.py``).
+NATIVE_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {
+    name: cls for name, cls in (("lru", LinkedLRU), ("length_aware", LinkedLengthAware))
+    if cls is not None}
 
 
 def has_other_copy(node: Node, tier: int) -> bool:
@@ -109,8 +120,9 @@ class PrefixIndex:
             make_eviction_policy(eviction, cap, t, future=future, costs=costs)
             for t, cap in zip(TIERS, capacities, strict=True)
         ]
-        if native and eviction.lower() == "lru":  # the same order, linked through the nodes
-            self.policies = [LinkedLRU(t) for t in TIERS]  # type: ignore[misc]
+        linked = NATIVE_ORDERS.get(eviction.lower()) if native else None
+        if linked is not None:  # the same order, linked through the nodes
+            self.policies = [linked(t) for t in TIERS]
         for p in self.policies:  # policies that weigh the other tiers' copies meet them
             bind = getattr(p, "bind", None)
             if bind is not None:

@@ -223,7 +223,10 @@ class LengthAware(BucketedPolicy):
             b[node] = None
 
     def ref(self, node: Any) -> None:
-        del self._buckets[(node.hits << DEPTH_BITS) - node.depth][node]
+        b = self._buckets.get((node.hits << DEPTH_BITS) - node.depth)
+        if b is None:
+            raise KeyError(node)  # (as LRU and the native order: the node is not ordered)
+        del b[node]
 
     def pop_front(self, k: int) -> list[Any]:
         """As ``BucketedPolicy.pop_front``, lean: no tags, no per-node map."""

@@ -36,7 +36,15 @@ from test_manager_stateful import prompts  # the same prompt shapes as the state
 
 from kvflow.index_core import NO_INFLIGHT
 from kvflow.manager import CacheManager, Capacities
-from kvflow.policy import LFU, LRU, S3FIFO, LinkedLRU, PrefetchPolicy, WritePolicy
+from kvflow.policy import (
+    LFU,
+    LRU,
+    S3FIFO,
+    LinkedLengthAware,
+    LinkedLRU,
+    PrefetchPolicy,
+    WritePolicy,
+)
 from kvflow.radix import (
     ABSENT,
     COMPUTING,
@@ -47,6 +55,7 @@ from kvflow.radix import (
     Tier,
     set_inflight,
 )
+from kvflow.ranked import LengthAware
 
 pytestmark = pytest.mark.skipif(
     NATIVE_CORE is None,
@@ -85,6 +94,11 @@ def _policy_desc(policy, index):
     if isinstance(policy, LRU) or (LinkedLRU is not None and isinstance(policy, LinkedLRU)):
         first = policy.first()
         return ("lru", [k(n) for n in policy], tracked, None if first is None else k(first))
+    if isinstance(policy, LengthAware) or (
+            LinkedLengthAware is not None and isinstance(policy, LinkedLengthAware)):
+        first = policy.first()
+        return ("length_aware", [k(n) for n in policy], tracked,
+                None if first is None else k(first))
     if isinstance(policy, LFU):
         buckets = sorted((f, [k(n) for n in b]) for f, b in policy._buckets.items())
         freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
@@ -154,7 +168,7 @@ class Lockstep(RuleBasedStateMachine):
     @initialize(
         dev=st.integers(2, 5) | st.integers(2, 10), host=st.integers(1, 3) | st.integers(0, 10),
         storage=st.integers(0, 12),
-        eviction=st.sampled_from(["lru", "lfu", "s3fifo"]),
+        eviction=st.sampled_from(["lru", "lfu", "s3fifo", "length_aware"]),
         write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         threshold=st.integers(0, 3),
         prefetch=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
@@ -633,7 +647,7 @@ def _run_core_call(pair, call):
 @settings(max_examples=_n(250, EXAMPLES), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(caps=st.tuples(st.integers(1, 8), st.integers(0, 8), st.integers(0, 8)),
-       eviction=st.sampled_from(["lru", "lfu", "s3fifo"]),
+       eviction=st.sampled_from(["lru", "lfu", "s3fifo", "length_aware"]),
        calls=st.lists(core_calls, min_size=_n(10, STEPS), max_size=_n(60, STEPS)))
 def test_core_calls_match(caps, eviction, calls):
     pair = _Pair(list(caps), eviction)
@@ -644,7 +658,7 @@ def test_core_calls_match(caps, eviction, calls):
 
 # ------------------------------------------------------- regressions (divergences found)
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "s3fifo"])
+@pytest.mark.parametrize("eviction", ["lru", "lfu", "s3fifo", "length_aware"])
 def test_drop_front_of_a_count_below_one_drops_nothing(eviction):
     """The Python core raised islice's ValueError for a negative count under LRU (and
     under LFU only with something ordered), the native one returned []: both drop

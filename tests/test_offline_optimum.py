@@ -16,7 +16,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvflow.belady import FutureUses
@@ -66,6 +66,15 @@ def brute_force(requests, capacity):
     return best(0, frozenset())
 
 
+class Refused(Exception):
+    """A plan refused with nothing in flight: the engine would reject the request.
+
+    It happens in tiny hierarchies under write_back (device parents whose children
+    went down to a full storage tier, a host full of the request's own blocks), for
+    every policy; a rejected request caches nothing, which MIN's model (every request
+    caches its blocks) does not cover, so such examples are set aside."""
+
+
 def replay(requests, capacities, eviction, core=None, write_policy="write_through"):
     """Cache mode as the replay runs it (every copy lands at once), retrying a plan
     refused while copies it started were in flight, as the engine does. Hits per tier."""
@@ -88,7 +97,7 @@ def replay(requests, capacities, eviction, core=None, write_policy="write_throug
                 ops = m.detached_ops[:]
                 m.detached_ops.clear()
                 if not ops:
-                    raise
+                    raise Refused from None
                 land(ops)
         land(p.ops)
         m.commit(p)
@@ -144,7 +153,10 @@ def test_no_online_policy_beats_the_optimum_on_the_device(reqs, cap, eviction):
 def test_no_policy_beats_the_optimum_tier_by_tier(reqs, dev, host, storage, eviction, write):
     """Device hits <= MIN(device); device + host <= MIN(device + host); and so on."""
     caps = (dev, host, storage)
-    hits = replay(reqs, caps, eviction, write_policy=write)
+    try:
+        hits = replay(reqs, caps, eviction, write_policy=write)
+    except Refused:
+        assume(False)
     bound = tier_hits(reqs, caps)
     for t in range(3):
         assert sum(hits[: t + 1]) <= sum(bound[: t + 1]), (t, hits, bound)

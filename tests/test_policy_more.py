@@ -279,3 +279,45 @@ def test_commit_makes_a_request_ready_leaf_first(core):
     assert [n.key for n in m.index.policies[0]._small] == keys[::-1]
     m.finish(p)
     m.check_invariants()
+
+
+def test_native_length_aware_keeps_the_python_order():
+    """``LinkedLengthAware`` (native nodes, buckets linked through them) against
+    ``LengthAware`` on the same operations: the same order at every step."""
+    from kvflow.policy import NATIVE_CORE, LinkedLengthAware
+
+    if LinkedLengthAware is None:
+        pytest.skip("kvflow._index_core is not built (or predates LinkedBuckets)")
+    py, nat = LengthAware(), LinkedLengthAware(0)
+    sides = []
+    for make in (Node, NATIVE_CORE.Node):
+        a = [make("a0")]
+        a.append(make("a1", a[0]))
+        a.append(make("a2", a[1]))
+        b = [make("b0")]
+        b.append(make("b1", b[0]))
+        for n in a[:2]:
+            n.hits = 1
+        sides.append(a + b)
+
+    def keys(p):
+        return [n.key for n in p]
+
+    for p, ns in zip((py, nat), sides, strict=True):
+        p.unref_all(ns[:3][::-1])
+        p.unref_all(ns[3:][::-1])
+    # a2: 0 hits, depth 2; b1: 0, 1; b0: 0, 0; a1: 1 hit, depth 1; a0: 1, 0
+    assert keys(py) == keys(nat) == ["a2", "b1", "b0", "a1", "a0"]
+    for p, ns in zip((py, nat), sides, strict=True):
+        taken = p.pop_front(3)
+        assert [n.key for n in taken] == ["a2", "b1", "b0"]
+        p.push_front(taken[1:])
+        p.ref(ns[1])  # a1 referenced: out of the order
+    assert keys(py) == keys(nat) == ["b1", "b0", "a0"]
+    assert nat.ranks() == [-1, 0, 1 << 20]  # buckets by rank, none empty
+    assert py.first().key == nat.first().key == "b1"
+    assert {n.key for n in nat.tracked()} == {"b1", "b0", "a0"} and len(nat) == 3
+    with pytest.raises(KeyError):
+        nat.ref(sides[1][1])
+    with pytest.raises(KeyError):
+        py.ref(sides[0][1])
