@@ -864,13 +864,17 @@ static PyTypeObject LRUType = {
  * referenced, out of the order); it is also kept in the node (``rank[t]``).
  *
  * Kinds: BUCKETS_LENGTH, Mooncake's length-aware cache (kvflow.ranked.LengthAware):
- * fewest hits first, then the deepest block, then the oldest. */
+ * fewest hits first, then the deepest block, then the oldest; BUCKETS_LFU, kvflow's
+ * LFU (kvflow.policy.LFU): fewest hits, then the oldest, and ``pop_front`` takes
+ * from the lowest bucket only, as LFU's does. */
 #define BUCKETS_LENGTH 0
+#define BUCKETS_LFU 1
 #define DEPTH_BITS 20
 
 typedef struct {
     long long rank;
     NodeObject *head, *tail;
+    Py_ssize_t size;
 } Bucket;
 
 typedef struct {
@@ -888,6 +892,8 @@ static PyTypeObject BucketsType;
 static long long
 bk_rank(BucketsObject *o, NodeObject *n)
 {
+    if (o->kind == BUCKETS_LFU)
+        return (long long)n->hits;
     return ((long long)n->hits << DEPTH_BITS) - (long long)n->depth;
 }
 
@@ -926,6 +932,7 @@ bk_bucket(BucketsObject *o, long long rank)
     memmove(o->b + i + 1, o->b + i, (o->nb - i) * sizeof(Bucket));
     o->b[i].rank = rank;
     o->b[i].head = o->b[i].tail = NULL;
+    o->b[i].size = 0;
     o->nb++;
     return i;
 }
@@ -960,6 +967,7 @@ bk_link(BucketsObject *o, NodeObject *n, int front)
             b->head = n;
         b->tail = n;
     }
+    b->size++;
     o->size++;
     return 0;
 }
@@ -982,6 +990,7 @@ bk_unlink(BucketsObject *o, NodeObject *n)
     n->prev[t] = n->next[t] = NULL;
     n->linked &= ~(1 << t);
     o->size--;
+    b->size--;
     if (b->head == NULL) {
         memmove(o->b + i, o->b + i + 1, (o->nb - i - 1) * sizeof(Bucket));
         o->nb--;
@@ -999,7 +1008,7 @@ Buckets_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %d", tier);
         return NULL;
     }
-    if (kind != BUCKETS_LENGTH) {
+    if (kind != BUCKETS_LENGTH && kind != BUCKETS_LFU) {
         PyErr_Format(PyExc_ValueError, "unknown LinkedBuckets kind %d", kind);
         return NULL;
     }
@@ -1123,8 +1132,11 @@ Buckets_pop_front(BucketsObject *o, PyObject *arg)
     Py_ssize_t k = PyLong_AsSsize_t(arg);
     if (k == -1 && PyErr_Occurred())
         return NULL;
-    if (k > o->size)
-        k = o->size;
+    Py_ssize_t avail = o->size;
+    if (o->kind == BUCKETS_LFU && o->nb)  /* the lowest bucket's only */
+        avail = o->b[0].size;
+    if (k > avail)
+        k = avail;
     if (k < 0)
         k = 0;
     PyObject *out = PyList_New(k);

@@ -40,6 +40,7 @@ from kvflow.policy import (
     NATIVE_CORE,
     EvictionPolicy,
     LinkedLengthAware,
+    LinkedLFU,
     LinkedLRU,
     make_eviction_policy,
 )
@@ -63,7 +64,8 @@ CORES = ("auto", "native", "python")
 #: Policies the native core keeps in its own nodes (the same order as their Python
 #: classes, which the Python core uses; ``tests/test_index_core_equivalence.py``).
 NATIVE_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {
-    name: cls for name, cls in (("lru", LinkedLRU), ("length_aware", LinkedLengthAware))
+    name: cls for name, cls in (("lru", LinkedLRU), ("lfu", LinkedLFU),
+                                ("length_aware", LinkedLengthAware))
     if cls is not None}
 
 

@@ -41,6 +41,7 @@ from kvflow.policy import (
     LRU,
     S3FIFO,
     LinkedLengthAware,
+    LinkedLFU,
     LinkedLRU,
     PrefetchPolicy,
     WritePolicy,
@@ -85,6 +86,14 @@ def _same_error(ep, en):
     assert (type(ep), str(ep)) == (type(en), str(en)), (ep, en)
 
 
+def _lfu_order(policy):
+    """LFU's order, lowest bucket first: the Python class keeps buckets of hit counts
+    (ranks stay with the node while ordered), the native one links them (``LinkedLFU``)."""
+    if isinstance(policy, LFU):
+        return [n for f in sorted(policy._buckets) for n in policy._buckets[f]]
+    return list(policy)
+
+
 def _policy_desc(policy, index):
     """Everything observable about one tier's eviction order."""
     nodes = index.nodes
@@ -99,10 +108,8 @@ def _policy_desc(policy, index):
         first = policy.first()
         return ("length_aware", [k(n) for n in policy], tracked,
                 None if first is None else k(first))
-    if isinstance(policy, LFU):
-        buckets = sorted((f, [k(n) for n in b]) for f, b in policy._buckets.items())
-        freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
-        return ("lfu", buckets, freq, policy._popped_freq, tracked)
+    if isinstance(policy, LFU) or (LinkedLFU is not None and isinstance(policy, LinkedLFU)):
+        return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked)
     assert isinstance(policy, S3FIFO), policy
     freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
     return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
@@ -517,10 +524,10 @@ class _Pair:
         def k(n):
             return self.name(s, n)
         tracked = sorted((k(n) for n in policy.tracked()), key=repr)
-        if isinstance(policy, LFU):
-            return ("lfu", sorted((f, [k(n) for n in b]) for f, b in policy._buckets.items()),
-                    sorted(((k(n), f) for n, f in policy._freq.items()), key=repr),
-                    policy._popped_freq, tracked)
+        if isinstance(policy, LFU) or (LinkedLFU is not None and isinstance(policy, LinkedLFU)):
+            first = policy.first()
+            return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked,
+                    None if first is None else k(first))
         if isinstance(policy, S3FIFO):
             return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
                     list(policy._ghost), sorted(((k(n), f) for n, f in policy._freq.items()),
