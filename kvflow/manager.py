@@ -588,7 +588,7 @@ class CacheManager:
         position = {id(n): i for i, n in enumerate(plan.nodes)}
         done = [n for n in plan.computing if position.get(id(n), -1) >= first]
         if done:
-            self.index.mark_computed(done)
+            self.index.mark_computed(done[::-1])  # tail-first, as commit
             ids = set(map(id, done))
             plan.computing[:] = [n for n in plan.computing if id(n) not in ids]
         return len(done)

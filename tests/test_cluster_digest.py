@@ -5,8 +5,9 @@ SHA-256 of the report with the digest recorded on main before tensor
 parallelism, the shared pool and mixed clusters were added (e7db1de). The
 report is canonical JSON with sorted keys, less ``wall_s``, the ``config``
 section (it gained fields: ``tp``, ``pool_*``, ``nic_*``, ``cluster``,
-``groups``) and the per-instance ``tp`` and ``group`` it gained; every number
-is in. A change meant to move results records new digests and says why.
+``groups``, ``headroom``), the per-instance ``tp`` and ``group`` it gained and
+the ``headroom`` section (the offline optimum, added since: ``kvflow.headroom``);
+every other number is in. A change meant to move results records new digests and says why.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def digest(report: dict[str, Any]) -> str:
     r = dict(report)
     r.pop("wall_s", None)
     r.pop("config", None)
+    r.pop("headroom", None)
     if "instances" in r:
         r["instances"] = [{k: v for k, v in row.items() if k not in ("tp", "group")}
                           for row in r["instances"]]

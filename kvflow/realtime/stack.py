@@ -262,6 +262,7 @@ class RealtimeStack:
             "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
             "queue_s": summary([st.admit_s - start - st.req.arrival_s for st in finished]),
             "slo": None, "load": None,  # (no cost model for the CPU world's compute)
+            "headroom": None,  # (passes share one warm cache: no cold-start optimum applies)
             "throughput": {
                 "requests_per_s": len(finished) / span,
                 "output_tokens_per_s": sum(st.generated for st in finished) / span,
