@@ -211,3 +211,11 @@ def test_shared_traces_no_online_policy_beats_the_optimum(name):
         assert replay(reqs, (cap,), "belady")[0] == best
         for eviction in ONLINE:
             assert replay(reqs, (cap,), eviction)[0] <= best, (eviction, cap)
+
+
+def test_optimum_curve_of_a_trace_without_reuse_is_not_simulated():
+    """Nothing used twice (Azure's lengths-only traces): zeros, without a pass per capacity
+    (a pass over every block of a 19k-request trace would take seconds each)."""
+    never = [[(i, j) for j in range(3)] for i in range(5)]
+    assert optimum_curve(never, [1, 4, 16], ceiling=0) == [(1, 0), (4, 0), (16, 0)]
+    assert optimum_curve(never, [1, 4, 16]) == [(1, 0), (4, 0), (16, 0)]  # (simulated)

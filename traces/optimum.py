@@ -108,7 +108,9 @@ def optimum_curve(requests: Sequence[Sequence[Hashable]], capacities: Sequence[i
     of an infinite cache, if known; once a capacity reaches it, larger ones are not
     simulated (they reach it too)."""
     out: list[tuple[int, int]] = []
-    reached = False
+    reached = ceiling is not None and ceiling <= 0  # nothing is ever used twice
+    if reached:
+        return [(c, 0) for c in sorted(capacities)]
     for c in sorted(capacities):
         if reached:
             out.append((c, out[-1][1]))
