@@ -21,6 +21,7 @@ from enum import Enum
 
 from kvflow.belady import FutureUses
 from kvflow.blocks import BlockPool
+from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError, NotEnoughBlocks
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import (
@@ -35,7 +36,6 @@ from kvflow.radix import (
     has_other_copy,
     set_inflight,
 )
-from kvflow.ranked import BlockCosts
 
 # Enum member lookups cost ~0.1 us each on CPython 3.11; these aliases keep
 # them off every request's path.

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 
 from kvflow.arc import ARC
 from kvflow.belady import Belady, FutureUses
+from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError
-from kvflow.ranked import BlockCosts, CostAware, LengthAware
+from kvflow.ranked import CostAware, LengthAware
 
 
 def _load_native_core() -> ModuleType | None:

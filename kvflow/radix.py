@@ -24,6 +24,7 @@ from typing import Any
 
 from kvflow import index_core
 from kvflow.belady import FutureUses
+from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError
 from kvflow.index_core import (
     ABSENT,
@@ -44,7 +45,6 @@ from kvflow.policy import (
     LinkedLRU,
     make_eviction_policy,
 )
-from kvflow.ranked import BlockCosts
 
 __all__ = [
     "ABSENT", "COMPUTING", "CORES", "FILLING", "NATIVE_CORE", "READY", "STATE_NAMES", "TIERS",

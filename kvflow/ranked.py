@@ -17,12 +17,11 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
+from kvflow.cost import DEFAULT_COSTS, BlockCosts
 from kvflow.errors import ConfigError
-from kvflow.layout import ModelSpec
 
 #: Depth fits in the low bits of an integer rank (prompts of < 2**20 blocks).
 DEPTH_BITS = 20
@@ -258,75 +257,6 @@ class LengthAware(BucketedPolicy):
             b[node] = None
             b.move_to_end(node, last=False)
 
-
-@dataclass(frozen=True)
-class BlockCosts:
-    """What it costs to get one block back onto the device, by route.
-
-    ``recompute_s + recompute_per_depth_s * depth``: a prefill of the block
-    after ``depth`` cached blocks (weight GEMMs, plus attention over the prefix
-    that grows with it); ``load_s[t]``: reading it from tier ``t`` into the
-    device (``load_s[0]`` is 0); ``block_bytes``: what it occupies.
-    """
-
-    recompute_s: float
-    recompute_per_depth_s: float
-    load_s: tuple[float, float, float]
-    block_bytes: int = 1
-
-    def __post_init__(self) -> None:
-        values = (self.recompute_s, self.recompute_per_depth_s, *self.load_s)
-        if len(self.load_s) != 3 or any(not v >= 0 for v in values):
-            raise ConfigError(f"BlockCosts: times must be 3 loads and all >= 0, got {self}")
-        if self.block_bytes <= 0:
-            raise ConfigError(f"BlockCosts.block_bytes must be > 0, got {self.block_bytes}")
-
-    @classmethod
-    def from_spec(cls, spec: ModelSpec, *, flops: float = 989.4e12 * 0.5,
-                  attention_flops: float | None = None, host_Bps: float = 55e9,
-                  storage_Bps: float = 6e9) -> BlockCosts:
-        """Costs from a model's shape and a machine's rates: a compute-bound
-        prefill (``2 * active_params`` FLOPs per token, ``4 * heads * head_dim`` per
-        (query, key) pair and layer) and loads at link bandwidth, storage staged
-        through host. The defaults are the simulator's ``h100`` preset (dense bf16
-        peak at 0.5 MFU, 55 GB/s PCIe, a 6 GB/s NVMe read); a replay passes its own."""
-        bt = spec.block_tokens
-        heads = spec.num_attention_heads or spec.num_kv_heads
-        per_pair = 4.0 * heads * spec.head_dim * spec.num_layers
-        attn = attention_flops or flops
-        base = (2.0 * spec.active_params * bt) / flops + per_pair * bt * bt * 0.5 / attn
-        per_depth = per_pair * bt * bt / attn
-        nbytes = spec.bytes_per_block
-        host = nbytes / host_Bps
-        return cls(base, per_depth, (0.0, host, host + nbytes / storage_Bps), nbytes)
-
-    @classmethod
-    def from_profile(cls, spec: ModelSpec, profile: Any) -> BlockCosts:
-        """Costs under a replay's cost model and links (``kvflow.cost.CostModel`` on a
-        ``kvflow.profile.GpuProfile``): a prefill of the block alone, after 0 and
-        after 1 cached block (the model is linear in depth past that), and one unit
-        over the host -> device link (storage: the read, then that)."""
-        from kvflow.cost import CostModel
-
-        cm = CostModel(spec, profile)
-        bt = spec.block_tokens
-        at0 = spec.num_layers * cm.layer_time([(bt, 0)], [])
-        at1 = spec.num_layers * cm.layer_time([(bt, bt)], [])
-        nbytes = spec.bytes_per_block
-        host = profile.h2d.unit_time(nbytes)
-        storage = profile.storage_read.unit_time(nbytes) + host
-        return cls(at0, max(at1 - at0, 0.0), (0.0, host, storage), nbytes)
-
-    def recompute(self, depth: int) -> float:
-        return self.recompute_s + self.recompute_per_depth_s * depth
-
-
-#: Costs of a 512-token block of Llama-3-8B on the h100 preset: the cost-aware
-#: policy's default where nobody passes a cost model (tests, benchmarks).
-DEFAULT_COSTS = BlockCosts.from_spec(
-    ModelSpec("llama-3-8b", num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=512,
-              hidden_size=4096, num_attention_heads=32, intermediate_size=14336,
-              active_params=8.03e9))
 
 #: Cost-aware ranks are kept on a grid of this fraction of the smallest nonzero worth.
 COST_GRID = 1 / 16

@@ -28,11 +28,11 @@ from hypothesis.stateful import (
 )
 
 from kvflow.belady import FutureUses
+from kvflow.cost import BlockCosts
 from kvflow.errors import NotEnoughBlocks
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import EVICTION_POLICIES, WritePolicy
 from kvflow.radix import ABSENT, COMPUTING, NATIVE_CORE, Tier
-from kvflow.ranked import BlockCosts
 
 # Both index cores where the native one was built (test_index_core.py says when it must be).
 CORES = ["python", "native"] if NATIVE_CORE is not None else ["python"]

@@ -11,11 +11,12 @@ import pytest
 
 from kvflow.arc import ARC
 from kvflow.belady import Belady, FutureUses
+from kvflow.cost import DEFAULT_COSTS, BlockCosts
 from kvflow.errors import ConfigError
 from kvflow.index_core import FILLING, READY, Node
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import EVICTION_POLICIES, eviction_label, make_eviction_policy
-from kvflow.ranked import DEFAULT_COSTS, BlockCosts, CostAware, LengthAware
+from kvflow.ranked import CostAware, LengthAware
 
 COSTS = BlockCosts(recompute_s=1.0, recompute_per_depth_s=0.25, load_s=(0.0, 0.2, 0.6))
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.belady import FutureUses
+from kvflow.cost import BlockCosts
 from kvflow.engine import EngineRequest
 from kvflow.errors import ConfigError
 from kvflow.hashing import BlockHasher, ExtraKeys
@@ -23,7 +24,6 @@ from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from kvflow.profile import GpuProfile, Link, load_profile, tensor_parallel_links
-from kvflow.ranked import BlockCosts
 from kvflow.replay.cluster_file import InstanceGroup, read_cluster_file
 from kvflow.world import WORLDS, TierRequest, World, blocks_for_gb, default_capacities
 from traces import Request, open_trace, sample_path
