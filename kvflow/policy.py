@@ -166,6 +166,9 @@ if NATIVE_CORE is not None:
                 if self.holds(node):
                     self.move_to_end(node)
 
+else:  # a source tree without the extension: the Python orders serve
+    LinkedLRU = None  # type: ignore[assignment,misc]
+
 #: The native bucketed order, where the built extension has it (one built from an older
 #: kvflow/_index_core.c does not: rebuild it; meanwhile length_aware runs in Python).
 _LINKED_BUCKETS = getattr(NATIVE_CORE, "LinkedBuckets", None)
