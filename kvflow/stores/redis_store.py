@@ -271,6 +271,10 @@ class RedisStore(BlockStore):
     def delete(self, key: Hashable) -> bool:
         self._check_open()
         delta = StoreStats()
+        if self._is_down():  # like every data call: no connect tried while down
+            delta.errors += 1
+            self._count(delta)
+            return False
         try:
             n = self._client.delete(self._rkey(encode_key(key)))
         except self._errors as exc:
