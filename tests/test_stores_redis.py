@@ -27,6 +27,8 @@ if find_redis_server() is None:
 redis = pytest.importorskip("redis", reason="redis-py not installed: pip install 'kvflow[redis]'")
 
 NS = Namespace("test-model", "raw")
+#: The deployment key every store of these tests shares (a shared store needs one).
+KEY = bytes(range(32))
 
 
 @pytest.fixture
@@ -38,6 +40,7 @@ def server():
 
 
 def make_store(server, ns=NS, **kw) -> RedisStore:
+    kw.setdefault("mac_key", KEY)
     kw.setdefault("retry_interval_s", 0.05)
     kw.setdefault("socket_timeout", 0.5)
     return RedisStore(ns, server.url, **kw)
@@ -280,7 +283,7 @@ def test_full_server_memory_put_false_and_counted():
 def test_unreachable_server_from_the_start(server):
     port = server.port
     server.kill()
-    s = RedisStore(NS, host="127.0.0.1", port=port, retry_interval_s=0.05)
+    s = RedisStore(NS, host="127.0.0.1", port=port, retry_interval_s=0.05, mac_key=KEY)
     assert s.get_many([1, 2]) == [None, None]
     assert s.put(1, b"x") is False
     assert s.ping() is False
