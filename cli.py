@@ -378,7 +378,7 @@ def replay(
         cfg = ReplayConfig(trace=str(resolve_path(trace)) if trace else None, **options)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
-                      transient=True) as bar:
+                      transient=True, disable=not console.is_terminal) as bar:
             task = bar.add_task("replay", total=None)
             report = run_replay(
                 cfg, progress=lambda done, total: bar.update(task, completed=done,
