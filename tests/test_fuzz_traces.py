@@ -139,8 +139,8 @@ def azure_row(draw: st.DrawFn, t: float, rate: int) -> bytes:
 
 
 @st.composite
-def trace_file(draw: st.DrawFn) -> tuple[str, bytes, bool, bool]:
-    """(suffix, content, gzip it, damage the gzip)."""
+def trace_file(draw: st.DrawFn) -> tuple[str, bytes, bool, bool, str]:
+    """(suffix, content, gzip it, damage the gzip, format written)."""
     fmt = draw(st.sampled_from(["mooncake", "generic-header", "generic", "azure"]))
     bt = draw(st.sampled_from([1, 16, 512]))
     rate = draw(st.sampled_from([0, 0, 2, 10, 40]))  # percent of fields broken
@@ -172,7 +172,7 @@ def trace_file(draw: st.DrawFn) -> tuple[str, bytes, bool, bool]:
     content = eol.join(lines) + draw(st.sampled_from([eol, b""]))
     zipped = draw(st.booleans())
     suffix = ".csv" if fmt == "azure" else ".jsonl"
-    return suffix, content, zipped, zipped and draw(st.integers(0, 5)) == 0
+    return suffix, content, zipped, zipped and draw(st.integers(0, 5)) == 0, fmt
 
 
 def one_line_error(path: Path, code: int, out: str, err: str) -> str:
@@ -191,8 +191,8 @@ def one_line_error(path: Path, code: int, out: str, err: str) -> str:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(trace_file())
 def test_every_run_ends_in_exit_0_or_one_line_naming_file_and_line(
-        case: tuple[str, bytes, bool, bool]) -> None:
-    suffix, content, zipped, damaged = case
+        case: tuple[str, bytes, bool, bool, str]) -> None:
+    suffix, content, zipped, damaged, fmt = case
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / ("trace" + suffix + (".gz" if zipped else ""))
         data = gzip.compress(content) if zipped else content
@@ -228,6 +228,7 @@ def test_every_run_ends_in_exit_0_or_one_line_naming_file_and_line(
                      else "bad file")
     OUTCOMES.update(f"{n}: {k}" for n, k in zip(runs, kinds, strict=True))
     OUTCOMES["files"] += 1
+    OUTCOMES[f"format {fmt}"] += 1
     OUTCOMES["gzip damaged" if damaged else ("gzip" if zipped else "plain")] += 1
     # the three agree: validate's verdict is the replay's and the stats'
     codes = {name: r[0] for name, r in results.items()}
