@@ -1,7 +1,7 @@
 """Soak: the real-bytes stack under random cancellation, store faults and corruption.
 
 Not a speed benchmark and not in CI: it runs the reference engine, the
-manager and the runtime on the CPU "device" (``kvflow.cpu``: numpy device and
+manager and the runtime on the CPU "device" (``kvflow.realtime.cpu``: numpy device and
 host arrays, copies of real bytes) with a real block store behind
 ``StoreBackend``, and a compute (``KeyedBlockExecutor``) that writes
 key-derived bytes into every block it computes and checks every cached block
@@ -48,13 +48,13 @@ import xxhash
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvflow.backends import RoutedBackend
-from kvflow.cpu import HostCopyBackend, KeyedBlockExecutor
 from kvflow.engine import Engine, EngineConfig, EngineRequest
 from kvflow.host_memory import HostArrays
 from kvflow.layout import ModelSpec
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import ABSENT, Tier
+from kvflow.realtime.cpu import HostCopyBackend, KeyedBlockExecutor
 from kvflow.runtime import Runtime
 from kvflow.store_backend import StoreBackend, store_key
 from kvflow.stores import AsyncStore, BlockStore, LocalDirStore, Namespace

@@ -14,7 +14,7 @@ import pytest
 
 from kvflow.manager import CacheManager, Capacities, OpKind
 from kvflow.radix import ABSENT, READY, Tier
-from sim.replay import ReplayConfig, run_replay
+from kvflow.replay import ReplayConfig, run_replay
 
 
 def complete_all(m: CacheManager, ops: list) -> None:

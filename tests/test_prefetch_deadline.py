@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.replay import ReplayConfig, run_replay
+from kvflow.replay import ReplayConfig, run_replay
 
 STORE_DELAY_S = 30.0
 
@@ -70,9 +70,10 @@ async def test_cancelling_a_transfer_fails_its_readers_at_once() -> None:
 
     from kvflow.layout import preset
     from kvflow.manager import CacheManager, Capacities, OpKind
+    from kvflow.profile import Link
     from kvflow.radix import Tier
     from kvflow.runtime import Runtime
-    from sim.hierarchy import Hierarchy, Link, SimBackend
+    from sim.hierarchy import Hierarchy, SimBackend
 
     loop = asyncio.get_running_loop()
     spec = preset("llama-3-8b")
