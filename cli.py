@@ -20,7 +20,16 @@ from kvflow.policy import EVICTION_HELP
 from kvflow.realtime.pd_cli import register as register_pd_commands
 from kvflow.reports.cli import register as register_report_commands
 from kvflow.reports.render import headroom_rows
-from traces.cli import OneLineCommand, OneLineGroup, fail, resolve_path, trace_app, user_errors
+from traces.cli import (
+    MAX_REQUEST_TOKENS_HELP,
+    MAX_TRACE_BYTES_HELP,
+    OneLineCommand,
+    OneLineGroup,
+    fail,
+    resolve_path,
+    trace_app,
+    user_errors,
+)
 
 app = typer.Typer(
     help="kvflow: KV-cache tiering for LLM serving — simulate with real traces, or run on a GPU.",
@@ -281,6 +290,9 @@ def replay(
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     max_batch_tokens: Annotated[int, typer.Option(help="Token budget per engine step.")] = 8192,
     skip_bad: Annotated[bool, typer.Option(help="Skip malformed trace lines.")] = False,
+    max_request_tokens: Annotated[int | None, typer.Option(
+        min=1, help=MAX_REQUEST_TOKENS_HELP)] = None,
+    max_trace_bytes: Annotated[int | None, typer.Option(min=1, help=MAX_TRACE_BYTES_HELP)] = None,
     backend: Annotated[Backend, typer.Option(
         help="sim: the simulated hierarchy; cuda: the engine on this machine's GPU "
              "(real kernels, wall-clock time; no storage tier).")] = Backend.sim,
@@ -361,7 +373,8 @@ def replay(
             storage_gb=storage_gb, eviction=eviction, write_policy=write_policy,
             write_threshold=write_threshold, prefetch_policy=prefetch_policy,
             mode=mode.value, seed=seed, limit=limit, max_batch_tokens=max_batch_tokens,
-            skip_bad=skip_bad, backend=backend.value,
+            skip_bad=skip_bad, backend=backend.value, max_request_tokens=max_request_tokens,
+            max_trace_bytes=max_trace_bytes,
             instances=(1 if pd is not None and instances == "auto"
                        else _instances(instances, mode.value, backend.value)),
             router=router, router_view=router_view, pd=pd, pd_gb_per_s=pd_gb_per_s,
@@ -376,7 +389,7 @@ def replay(
         cfg = ReplayConfig(trace=str(resolve_path(trace)) if trace else None, **options)
         with Progress(TextColumn("[bold]replay"), BarColumn(), MofNCompleteColumn(),
                       TextColumn("requests"), TimeElapsedColumn(), console=console,
-                      transient=True) as bar:
+                      transient=True, disable=not console.is_terminal) as bar:
             task = bar.add_task("replay", total=None)
             report = run_replay(
                 cfg, progress=lambda done, total: bar.update(task, completed=done,

@@ -40,7 +40,7 @@ def open_store(kind: str, ns: Namespace, tmp: str,
             return None
         srv = LocalRedisServer().start()
         servers.append(srv)
-        return RedisStore(ns, srv.url)
+        return RedisStore(ns, srv.url, mac_key=os.urandom(32))  # a throwaway deployment key
     raise SystemExit(f"unknown store {kind!r}")
 
 

@@ -304,8 +304,12 @@ class Engine(HandoverMixin):
             st = self.waiting[0]
             req = st.req
             extra = self._blocks_needed(req) - len(req.keys)
-            best_effort = self.prefetch_policy.name == "best_effort"
-            if best_effort:  # what has not reached host by now is recomputed
+            # best_effort: what has not reached host by now is recomputed. With no host
+            # tier nothing is ever prefetched, so storage hits are read at admission,
+            # layer by layer under the compute, as wait_complete reads them.
+            best_effort = (self.prefetch_policy.name == "best_effort"
+                           and manager.has_tier(Tier.HOST))
+            if best_effort:
                 for t in st.prefetch:
                     if not t.finished:
                         t.cancel("prefetch: request scheduled")

@@ -43,6 +43,25 @@ class ExtraKeys:
     mm_items: tuple[MMItem, ...] = field(default_factory=tuple)
 
 
+#: Longest tenant salt, in bytes: the chain's first link carries its length in 2 bytes.
+MAX_SALT_BYTES = 2**16 - 1 - len(b"salt:")
+
+
+def salt_bytes(salt: bytes | str) -> bytes:
+    """A tenant salt as the bytes hashed; text must be valid Unicode, and short enough
+    for the chain's 2-byte length field (a ConfigError naming the limit otherwise)."""
+    if isinstance(salt, str):
+        try:
+            salt = salt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"tenant salt is not valid Unicode text: {exc.reason} at "
+                              f"character {exc.start + 1}") from None
+    if len(salt) > MAX_SALT_BYTES:
+        raise ConfigError(f"tenant salt is {len(salt):,} bytes; at most {MAX_SALT_BYTES:,} "
+                          "are allowed")
+    return salt
+
+
 class BlockHasher:
     """Hashes the full blocks of a token sequence, chained to a parent hash."""
 
@@ -70,13 +89,15 @@ class BlockHasher:
         so multimodal item offsets line up when hashing is resumed from a parent.
         """
         bt = self.block_tokens
-        arr = np.asarray(tokens, dtype=np.int64)
+        try:
+            arr = np.asarray(tokens, dtype=np.int64)
+        except OverflowError:
+            raise ConfigError("token ids must fit in 64-bit signed integers") from None
         n_full = len(arr) // bt
         out: list[bytes] = []
         prev = parent if parent is not None else b""
         if extra is not None and extra.tenant_salt is not None and parent is None:
-            salt = extra.tenant_salt
-            prev = b"salt:" + (salt.encode() if isinstance(salt, str) else salt)
+            prev = b"salt:" + salt_bytes(extra.tenant_salt)
         lora = b"" if extra is None or extra.lora_id is None else b"lora:%d" % extra.lora_id
         items = () if extra is None else extra.mm_items
         for b in range(n_full):

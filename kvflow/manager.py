@@ -29,7 +29,6 @@ from kvflow.radix import (
     COMPUTING,
     FILLING,
     READY,
-    TIERS,
     Node,
     PrefixIndex,
     Tier,
@@ -146,7 +145,13 @@ class ManagerStats:
 
 @dataclass(frozen=True)
 class Capacities:
-    """Blocks per tier; 0 means the tier is absent."""
+    """Blocks per tier; 0 means the tier is absent.
+
+    Storage without a host tier is a real configuration (``--host-blocks 0``
+    in a sweep): blocks then go down device -> storage (write_through backups,
+    write_back evictions) and storage hits are read straight to the device at
+    admission, since there is no host tier to prefetch into.
+    """
 
     device: int
     host: int = 0
@@ -196,9 +201,10 @@ class CacheManager:
             PrefetchPolicy(prefetch_policy) if isinstance(prefetch_policy, str) else prefetch_policy
         )
         self.stats = ManagerStats()
-        # The tier each tier's evictions may copy down to, where it exists.
+        # The tier each tier's copies go down to: the next one that exists (the
+        # device writes straight to storage when there is no host tier).
         self._lower: list[Tier | None] = [
-            Tier(t + 1) if t < STORAGE and capacities[t + 1] else None for t in (0, 1, 2)
+            next((Tier(u) for u in range(t + 1, 3) if capacities[u]), None) for t in (0, 1, 2)
         ]
         self._op_ids = itertools.count()
         self.inflight: dict[int, TransferOp] = {}
@@ -626,10 +632,11 @@ class CacheManager:
             plan.nodes = [n for n in plan.nodes if id(n) not in computing]
             plan.computing.clear()
         ops: list[TransferOp] = []
-        if self.has_tier(HOST) and plan.committed:
+        lower = self._lower[DEVICE]
+        if lower is not None and plan.committed:
             wp = self.write_policy
             todo = [n for n in plan.nodes
-                    if n.state[HOST] == ABSENT and n.state[DEVICE] == READY
+                    if n.state[lower] == ABSENT and n.state[DEVICE] == READY
                     and wp.backup_on_insert(n.hits)]
             self._backup(DEVICE, todo, ops)
         return ops
@@ -658,9 +665,9 @@ class CacheManager:
 
     def _backup(self, src: Tier, nodes: list[Node], ops: list[TransferOp]) -> None:
         """Copy ``nodes`` one tier down where it has room (never evicting a referenced block)."""
-        if not nodes:
+        dst = self._lower[src]
+        if not nodes or dst is None:
             return
-        dst = TIERS[src + 1]
         ids = self._make_room(dst, min(len(nodes), self._room(dst)), ops)
         if not ids:
             return

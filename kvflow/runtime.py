@@ -293,14 +293,31 @@ class Runtime:
         """Ask the backend to stop ``task``.
 
         The task settles (as cancelled) when the backend reports it done — for
-        a GPU, once work already queued has drained — so its blocks are never
-        handed out while a copy may still be writing them.
+        a GPU, once work already queued has drained; a store read, when the
+        call returns — so its blocks are never handed out while a copy may
+        still be writing them. Its readers (a swap-in after a prefetch) are
+        failed now, not then: whatever the backend reports, the bytes they
+        would read will never be valid, and a request that gave up on a slow
+        read must not wait for it anyway (its deadline bounds its wait).
         """
         if task.finished:
             return
         if task._poison is None:
             task._poison = asyncio.CancelledError(reason)
+        self._fail_readers(task)
         self.backend.cancel(task.handle)
+
+    def _fail_readers(self, task: TransferTask) -> None:
+        """Fail the unfinished tasks that read what ``task`` writes (read after write)."""
+        op = task.op
+        for dep in task._raw_dependents:
+            if not dep.finished and dep._poison is None:
+                self.metrics.dependency_failures += 1
+                dep._poison = TransferError(
+                    f"{dep.op.kind.value} op {dep.op.op_id}: its source "
+                    f"(op {op.op_id}) did not land")
+                self._fail_readers(dep)
+                self.backend.cancel(dep.handle)
 
     def _expire(self, task: TransferTask) -> None:
         if not task.finished:
@@ -334,13 +351,7 @@ class Runtime:
                 task.state, "failed")
             m.prefetch[key] += 1
         if not ok:
-            for dep in task._raw_dependents:
-                if not dep.finished:
-                    m.dependency_failures += 1
-                    dep._poison = TransferError(
-                        f"{dep.op.kind.value} op {dep.op.op_id}: its source "
-                        f"(op {op.op_id}) did not land")
-                    self.backend.cancel(dep.handle)
+            self._fail_readers(task)
         task._raw_dependents = []
         follow = self.manager.complete(op, ok)
         if isinstance(task.error, BlocksLost) and task.error.keys:

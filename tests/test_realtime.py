@@ -21,8 +21,12 @@ REQS = engine_requests(multi_turn(sessions=6, turns=2, system_len=48, user_len=3
 
 def test_report_has_the_simulator_shape_and_renders() -> None:
     store = MemoryStore(Namespace.for_model(SPEC))
+    # No store deadlines: on a loaded machine a 1-2 s deadline on an in-memory store can
+    # pass, and the pass-to-pass comparisons below would then measure the machine's load
+    # (deadlines have their own tests in test_storage_faults / test_store_backend).
     reports = run_realtime(REQS, RealtimeConfig(device_blocks=16, host_blocks=8,
-                                                prefetch_policy="wait_complete"),
+                                                prefetch_policy="wait_complete",
+                                                read_timeout_s=None, write_timeout_s=None),
                            store, SPEC, passes=2, use_uvloop=True)
     sim = run_replay(ReplayConfig(limit=5))
     for r in reports:

@@ -257,8 +257,8 @@ async def test_redis_killed_mid_replay_then_restarted() -> None:
     from kvflow.stores import RedisStore
 
     server = LocalRedisServer().start()
-    store = RedisStore(NS, server.url, retry_interval_s=0.02, socket_timeout=0.5,
-                       connect_timeout=0.5)
+    store = RedisStore(NS, server.url, mac_key=b"k" * 32, retry_interval_s=0.02,
+                       socket_timeout=0.5, connect_timeout=0.5)
     seen: dict[str, Any] = {}
 
     async def chaos(i: int, req: Any) -> None:

@@ -194,13 +194,11 @@ async def test_past_the_deadline_done_waits_for_the_late_call(kind: str) -> None
     else:
         o = op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [1], [0], [8])
     s = Sink()
-    t0 = time.monotonic()
     be.submit(o, s, [])
     await s.finished
     assert isinstance(s.error, StoreDeadlineError)
     # done came only once the worker had let go of the host block
     assert store.running == 0 and store.ended and store.ended[-1] <= time.monotonic()
-    assert time.monotonic() - t0 >= 0.25
     assert be.stats.timeouts == 1
 
 
@@ -284,11 +282,10 @@ async def test_a_probe_past_the_deadline_fails_the_write_once_the_late_call_ends
     store = SlowProbe(0.3)
     be = StoreBackend(AsyncStore(store), host, L, write_timeout_s=0.05)
     s = Sink()
-    t0 = time.monotonic()
     be.submit(op(OpKind.WRITE, Tier.HOST, Tier.STORAGE, [1], [0], [8]), s, [])
     await s.finished
     assert isinstance(s.error, StoreDeadlineError)
-    assert store.running == 0 and time.monotonic() - t0 >= 0.25
+    assert store.running == 0 and store.ended  # done waited for the late probe to end
     assert (be.stats.timeouts, be.stats.errors, be.stats.blocks_written) == (1, 0, 0)
     assert MemoryStore.contains_many(store, [8]) == [False]  # no put after the probe timed out
     be.close()

@@ -18,10 +18,14 @@ from rich.console import Console
 from rich.table import Table
 
 from traces.cli_common import (
+    MAX_REQUEST_TOKENS_HELP,
+    MAX_TRACE_BYTES_HELP,
     SAMPLE_PREFIX,
     OneLineCommand,
     OneLineGroup,
     fail,
+    max_request_tokens_option,
+    max_trace_bytes_option,
     open_cli_trace,
     resolve_path,
     user_errors,
@@ -34,6 +38,8 @@ from traces.stats import TraceStats, trace_stats
 from traces.writer import write_generic
 
 __all__ = [
+    "MAX_REQUEST_TOKENS_HELP",
+    "MAX_TRACE_BYTES_HELP",
     "SAMPLE_PREFIX",
     "OneLineCommand",
     "OneLineGroup",
@@ -147,12 +153,14 @@ def stats(
         True, "--optimum/--no-optimum",
         help="Compute the offline optimum's (Belady's MIN) hit curve: one pass per capacity.",
     ),
+    max_request_tokens: int | None = max_request_tokens_option(),
+    max_trace_bytes: int | None = max_trace_bytes_option(),
 ) -> None:
     """Requests, arrival rate, lengths, unique blocks, hit ceilings, reuse distances,
     and the offline optimum's hit ratio by capacity."""
     err = Console(stderr=True)
     with user_errors():
-        tr = _open(file, fmt, skip_bad, block_tokens)
+        tr = _open(file, fmt, skip_bad, block_tokens, max_request_tokens, max_trace_bytes)
         if err.is_terminal and not as_json:
             with err.status(f"reading {tr.path} ...", spinner="dots"):
                 s = trace_stats(tr, reuse=reuse, optimum=optimum)
@@ -164,6 +172,40 @@ def stats(
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return
     _render(tr, s, Console())
+
+
+# -- validate ----------------------------------------------------------------------------
+
+
+@trace_app.command(cls=_OneLineCommand)
+def validate(
+    file: str = typer.Argument(
+        ..., metavar="FILE", help="Trace file (.gz ok), or sample:NAME for a bundled one."
+    ),
+    fmt: str = typer.Option("auto", "--format", "-f", help="auto|mooncake|azure|generic"),
+    block_tokens: int | None = typer.Option(
+        None, "--block-tokens", "-b", help="Block size where the trace leaves it open (Azure)."
+    ),
+    max_request_tokens: int | None = max_request_tokens_option(),
+    max_trace_bytes: int | None = max_trace_bytes_option(),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a line."),
+) -> None:
+    """Check every line of a trace; exit 0 if a replay can read all of it, else exit 2
+    naming the first bad line (file:line: field '...': what is wrong)."""
+    with user_errors():
+        tr = _open(file, fmt, False, block_tokens, max_request_tokens, max_trace_bytes)
+        n = tokens = 0
+        for req in tr:
+            n += 1
+            tokens += req.input_len
+    if as_json:
+        out = {"path": tr.path, "format": tr.format, "block_tokens": tr.block_tokens,
+               "requests": n, "input_tokens": tokens, "valid": True}
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        return
+    Console(highlight=False, soft_wrap=True).print(
+        f"{tr.path}: valid {tr.format} trace, {n:,} requests, {tokens:,} prompt tokens "
+        f"({tr.block_tokens}-token blocks)")
 
 
 # -- convert -----------------------------------------------------------------------------
@@ -180,12 +222,14 @@ def convert(
     skip_bad: bool = typer.Option(False, "--skip-bad", help="Skip bad lines, report the count."),
     limit: int | None = typer.Option(None, "--limit", help="Keep only the first N requests."),
     force: bool = typer.Option(False, "--force", help="Replace the output if it exists."),
+    max_request_tokens: int | None = max_request_tokens_option(),
+    max_trace_bytes: int | None = max_trace_bytes_option(),
 ) -> None:
     """Convert a trace to the generic JSONL form (e.g. Azure CSV at a chosen block size)."""
     if limit is not None and limit < 0:
         _fail(f"--limit must be >= 0, got {limit}")
     with user_errors():
-        tr = _open(file, fmt, skip_bad, block_tokens)
+        tr = _open(file, fmt, skip_bad, block_tokens, max_request_tokens, max_trace_bytes)
         if Path(output).exists() and not force:
             _fail(f"{output} exists; pass --force to replace it")
         if Path(output).resolve() == Path(tr.path).resolve():

@@ -21,7 +21,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from traces import sample_path
 from traces.loaders import Trace, open_trace
-from traces.schema import FORMATS, TraceError
+from traces.schema import FORMATS, TraceError, TraceLimits
 
 SAMPLE_PREFIX = "sample:"
 
@@ -98,10 +98,31 @@ def _resolve(path: str) -> Path:
 resolve_path = _resolve
 
 
-def _open(path: str, fmt: str, skip_bad: bool, block_tokens: int | None) -> Trace:
+def _open(path: str, fmt: str, skip_bad: bool, block_tokens: int | None,
+          max_request_tokens: int | None = None, max_trace_bytes: int | None = None) -> Trace:
     if fmt not in FORMATS:
         _fail(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    return open_trace(_resolve(path), fmt=fmt, skip_bad=skip_bad, block_tokens=block_tokens)
+    limits = TraceLimits.from_env(max_request_tokens=max_request_tokens,
+                                  max_trace_bytes=max_trace_bytes)
+    return open_trace(_resolve(path), fmt=fmt, skip_bad=skip_bad, block_tokens=block_tokens,
+                      limits=limits)
+
+
+# Help of the limit options every command that reads a trace takes (``kvflow replay`` too).
+MAX_REQUEST_TOKENS_HELP = (
+    "Longest request (prompt + answer) a trace may hold, in tokens "
+    f"(default {TraceLimits.max_request_tokens:,}, or KVFLOW_MAX_REQUEST_TOKENS).")
+MAX_TRACE_BYTES_HELP = (
+    "Most bytes read from a trace, after gzip "
+    f"(default {TraceLimits.max_trace_bytes:,}, or KVFLOW_MAX_TRACE_BYTES).")
+
+
+def max_request_tokens_option() -> Any:
+    return typer.Option(None, "--max-request-tokens", min=1, help=MAX_REQUEST_TOKENS_HELP)
+
+
+def max_trace_bytes_option() -> Any:
+    return typer.Option(None, "--max-trace-bytes", min=1, help=MAX_TRACE_BYTES_HELP)
 
 
 def _warn_skipped(tr: Trace) -> None:

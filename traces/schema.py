@@ -6,10 +6,21 @@ can build :class:`Request` objects without pulling in a loader.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 #: Block size of the Mooncake traces, and the default everywhere else.
 DEFAULT_BLOCK_TOKENS = 512
+#: Largest block size a trace may ask for: a block is one unit of KV on every tier,
+#: and a bigger one does not fit a GPU's memory for any model kvflow knows.
+MAX_BLOCK_TOKENS = 65_536
+#: Longest ``session_id`` / ``tenant`` label, in UTF-8 bytes (a tenant is hashed into
+#: its blocks' keys; a label is a name, not a payload).
+MAX_LABEL_BYTES = 4096
+#: Token ids are hashed as 64-bit signed integers; hash ids are 64-bit unsigned.
+TOKEN_ID_LIMIT = 2**63
+HASH_ID_LIMIT = 2**64
 
 #: Format names accepted by :func:`traces.open_trace` (``"auto"`` sniffs).
 FORMATS = ("auto", "mooncake", "azure", "generic")
@@ -87,3 +98,56 @@ class TraceError(ValueError):
     def __reduce__(self) -> tuple[type[TraceError], tuple[str, str | None, int | None, str | None]]:
         # Exceptions cross process boundaries (dask, multiprocessing sweeps).
         return (type(self), (self.message, self.path, self.line, self.field))
+
+
+#: The environment variable of each :class:`TraceLimits` field.
+LIMIT_ENV = {"max_request_tokens": "KVFLOW_MAX_REQUEST_TOKENS",
+             "max_trace_bytes": "KVFLOW_MAX_TRACE_BYTES"}
+
+
+@dataclass(frozen=True)
+class TraceLimits:
+    """Bounds on what one trace may ask of the reader, so a hostile or broken file
+    costs a clear error instead of all the memory there is.
+
+    ``max_request_tokens`` bounds one request's prompt plus answer: a 60-byte
+    lengths-only line claiming 10^12 tokens would otherwise become ~2 * 10^9
+    block ids. ``max_trace_bytes`` bounds the bytes one pass reads (after
+    gzip: a small compressed file can expand without end); it also bounds any
+    single line. Defaults are far above any public trace; raise them through
+    the CLI options or ``KVFLOW_MAX_REQUEST_TOKENS`` / ``KVFLOW_MAX_TRACE_BYTES``.
+    """
+
+    max_request_tokens: int = 2**21
+    max_trace_bytes: int = 8 * 2**30
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if type(v) is not int or v <= 0:
+                raise TraceError(f"expected a positive integer, got {v!r}", field=f.name)
+
+    @property
+    def max_line_bytes(self) -> int:
+        """Longest line read: room for a request at the token limit written out as
+        token ids and hash ids (under 48 bytes a token), plus 1 MiB of other keys."""
+        return min(self.max_trace_bytes, 2**20 + 48 * self.max_request_tokens)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **given: int | None) -> TraceLimits:
+        """Limits from ``given`` values, else the environment, else the defaults."""
+        env = os.environ if env is None else env
+        values: dict[str, int] = {}
+        for name, var in LIMIT_ENV.items():
+            v = given.get(name)
+            if v is None and env.get(var, "").strip():
+                text = env[var].strip().replace("_", "")
+                if not text.isdigit():
+                    raise TraceError(f"expected a positive integer, got {env[var]!r}", field=var)
+                v = int(text)
+            if v is not None:
+                values[name] = v
+        unknown = set(given) - set(LIMIT_ENV)
+        if unknown:
+            raise TypeError(f"unknown limits: {', '.join(sorted(unknown))}")
+        return cls(**values)

@@ -28,6 +28,7 @@ from kvflow.replay.cluster_file import InstanceGroup, read_cluster_file
 from kvflow.world import WORLDS, TierRequest, World, blocks_for_gb, default_capacities
 from traces import Request, open_trace, sample_path
 from traces.reshape import bound, poisson_arrivals, rate_scale
+from traces.schema import TraceLimits
 
 MODES = ("full", "cache")
 #: Worlds a full replay runs in (``kvflow.world.WORLDS``): the simulator, or a real GPU.
@@ -70,6 +71,9 @@ class ReplayConfig:
     sample_interval_s: float = 10.0
     skip_bad: bool = False
     backend: str = "sim"
+    #: Trace limits (``traces.TraceLimits``); None: the environment's, else the defaults.
+    max_request_tokens: int | None = None
+    max_trace_bytes: int | None = None
     # -- a cluster of instances (kvflow.cluster) ---------------------------------------------
     #: Engine instances, each with its own device and host tiers, links and scheduler;
     #: "auto": the fewest that bring the predicted utilisation to 0.7 (``kvflow.replay.load``).
@@ -379,7 +383,9 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
     """Read the trace and size the tiers as ``world`` holds them (no world: cache mode,
     sized from the profile)."""
     path = Path(cfg.trace) if cfg.trace else sample_path()
-    trace = open_trace(path, skip_bad=cfg.skip_bad)
+    limits = TraceLimits.from_env(max_request_tokens=cfg.max_request_tokens,
+                                  max_trace_bytes=cfg.max_trace_bytes)
+    trace = open_trace(path, skip_bad=cfg.skip_bad, limits=limits)
     spec = preset(cfg.model, block_tokens=trace.block_tokens)
     profile = load_profile(cfg.profile)
     hasher = BlockHasher(trace.block_tokens)

@@ -22,21 +22,11 @@ hits even if two tenants' block hashes were equal). The blob header repeats the
 layout signature and the key, and a read checks both: a misplaced or stale
 entry is a miss, not data of the wrong shape.
 
-Blob format (version 1)
------------------------
-Every stored value is ``header || layout signature || key || payload``::
-
-    offset size  field
-    0      4     magic  b"KVFB"
-    4      2     format version (1), little-endian
-    6      2     flags (0)
-    8      2     length of the layout signature (UTF-8 bytes)
-    10     2     length of the encoded key (ASCII bytes)
-    12     8     payload length
-    20     8     checksum: xxh3_64 over bytes [0, 20) + signature + key + payload
-    28     ...   signature, key, payload
-
-The checksum covers the header too, so a flipped byte anywhere is detected.
+Blob format
+-----------
+Every stored value is a self-describing blob (magic, version, lengths, an
+xxh3 checksum, optionally a keyed MAC, the layout signature and the key):
+see :mod:`kvflow.stores.blob`.
 """
 
 from __future__ import annotations
@@ -44,7 +34,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import re
-import struct
 import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -53,16 +42,26 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvflow.errors import KvflowError
+from kvflow.stores.blob import (  # noqa: F401  (the blob format, re-exported)
+    FLAG_MAC,
+    FORMAT_VERSION,
+    HEADER_SIZE,
+    MAC_SIZE,
+    MAGIC,
+    authenticated,
+    decode_blob,
+    encode_blob,
+    encode_header,
+    failure_kind,
+    is_tagged,
+    parse_header,
+    payload_view,
+    verify_parts,
+)
 
 if TYPE_CHECKING:
     from kvflow.layout import ModelSpec
 
-MAGIC = b"KVFB"
-FORMAT_VERSION = 1
-#: ``magic, version, flags, sig_len, key_len, payload_len`` — the part before the checksum.
-_PREFIX = struct.Struct("<4sHHHHQ")
-_CHECKSUM = struct.Struct("<Q")
-HEADER_SIZE = _PREFIX.size + _CHECKSUM.size  # 28 bytes before the variable parts
 #: Encoded keys longer than this are stored under a digest (file names are <= 255 bytes).
 MAX_PLAIN_KEY = 200
 
@@ -171,101 +170,6 @@ def storage_name(encoded_key: str) -> str:
     return "z" + xxhash.xxh3_128_hexdigest(encoded_key.encode())
 
 
-# ------------------------------------------------------------------------------ blobs
-
-
-def encode_header(layout: str, encoded_key: str, payload: bytes | memoryview) -> bytes:
-    """The header (fixed part, signature, key) to write before ``payload``."""
-    sig = layout.encode()
-    key = encoded_key.encode("ascii")
-    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(sig), len(key), len(payload))
-    h = xxhash.xxh3_64()
-    h.update(prefix)
-    h.update(sig)
-    h.update(key)
-    h.update(payload)
-    return prefix + _CHECKSUM.pack(h.intdigest()) + sig + key
-
-
-def encode_blob(layout: str, encoded_key: str, payload: bytes | memoryview) -> bytes:
-    """Header and payload as one byte string (what Redis stores)."""
-    return encode_header(layout, encoded_key, payload) + payload
-
-
-def parse_header(head: bytes | memoryview) -> tuple[int, int, int] | None:
-    """``(signature length, key length, payload length)`` of a blob's fixed header.
-
-    ``None`` if ``head`` is shorter than a header or has the wrong magic or
-    version. Lets a reader size its reads before it has the whole blob.
-    """
-    if len(head) < HEADER_SIZE:
-        return None
-    magic, version, _flags, sig_len, key_len, payload_len = _PREFIX.unpack_from(head, 0)
-    if magic != MAGIC or version != FORMAT_VERSION:
-        return None
-    return sig_len, key_len, payload_len
-
-
-def verify_parts(
-    head: bytes | memoryview,
-    var: bytes | memoryview,
-    payload: bytes | memoryview,
-    layout: str,
-    encoded_key: str,
-    block_bytes: int | None = None,
-) -> bool:
-    """Whether a blob read in pieces (fixed header, signature + key, payload) is whole
-    and is ``encoded_key``'s block of ``layout``."""
-    parsed = parse_header(head)
-    if parsed is None or len(head) != HEADER_SIZE:
-        return False
-    sig_len, key_len, payload_len = parsed
-    if len(var) != sig_len + key_len or len(payload) != payload_len:
-        return False
-    if block_bytes is not None and payload_len != block_bytes:
-        return False
-    var = memoryview(var)
-    if var[:sig_len] != layout.encode() or var[sig_len:] != encoded_key.encode("ascii"):
-        return False
-    (checksum,) = _CHECKSUM.unpack_from(head, _PREFIX.size)
-    h = xxhash.xxh3_64()
-    h.update(memoryview(head)[:_PREFIX.size])
-    h.update(var)
-    h.update(payload)
-    return h.intdigest() == checksum
-
-
-def payload_view(
-    blob: bytes | memoryview, layout: str, encoded_key: str, block_bytes: int | None = None
-) -> memoryview | None:
-    """A view of ``blob``'s payload if the blob is whole and is ``encoded_key``'s block of
-    ``layout``; ``None`` for anything else (see :func:`decode_blob`). No copy."""
-    mv = memoryview(blob)
-    parsed = parse_header(mv)
-    if parsed is None:
-        return None
-    sig_len, key_len, payload_len = parsed
-    start = HEADER_SIZE + sig_len + key_len
-    if len(mv) != start + payload_len:
-        return None
-    if not verify_parts(mv[:HEADER_SIZE], mv[HEADER_SIZE:start], mv[start:], layout,
-                        encoded_key, block_bytes):
-        return None
-    return mv[start:]
-
-
-def decode_blob(
-    blob: bytes | memoryview, layout: str, encoded_key: str, block_bytes: int | None = None
-) -> bytes | None:
-    """The payload of ``blob`` if it is whole and is ``encoded_key``'s block of ``layout``.
-
-    ``None`` for anything else: truncated, wrong magic or version, another
-    layout or key, a payload of the wrong size, a checksum mismatch.
-    """
-    view = payload_view(blob, layout, encoded_key, block_bytes)
-    return None if view is None else bytes(view)
-
-
 # ------------------------------------------------------------------------------ stats
 
 
@@ -274,7 +178,9 @@ class StoreStats:
     """Counters of one store since it was opened.
 
     ``misses`` counts every ``None`` a get returned, including ``corrupt``
-    entries (failed checksum / header / layout check; the entry is deleted).
+    entries (failed checksum / header / layout check; the entry is deleted)
+    and ``forged`` ones (a store with a MAC key found a blob without a valid
+    MAC: written by someone without the key, or altered; deleted too).
     ``errors`` counts failures of the store itself, for gets and puts alike:
     one per failed file operation (local), one per failed round trip or
     refused command (Redis, including calls answered at once while the
@@ -288,6 +194,7 @@ class StoreStats:
     hits: int = 0
     misses: int = 0
     corrupt: int = 0
+    forged: int = 0
     put_ok: int = 0
     put_failed: int = 0
     errors: int = 0

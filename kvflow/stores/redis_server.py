@@ -38,9 +38,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _pings(host: str, port: int, timeout: float = 0.2) -> bool:
+def _pings(host: str, port: int, timeout: float = 0.2, password: str | None = None) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
+            if password is not None:
+                pw = password.encode()
+                s.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw))
+                if not s.recv(64).startswith(b"+OK"):
+                    return False
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith(b"+PONG")
     except OSError:
@@ -54,6 +59,12 @@ class LocalRedisServer:
     for fault tests), ``stop()`` a clean shutdown; ``start()`` again reuses
     the same port so clients reconnect to the same address. ``extra_args`` go
     to the command line (``["--maxmemory", "1mb"]``).
+
+    ``password`` turns on AUTH for the default user (``--requirepass``);
+    ``acl_users`` adds ACL users (rules as ``--user`` takes them, e.g.
+    ``"alice on >secret ~* &* +@all"``). ``tls`` = ``(cert file, key file, CA
+    file)`` also listens with TLS on ``tls_port`` (``tls_url``), clients not
+    asked for certificates; the plain port stays, on loopback, for readiness.
     """
 
     def __init__(
@@ -63,6 +74,9 @@ class LocalRedisServer:
         binary: str | None = None,
         extra_args: list[str] | tuple[str, ...] = (),
         startup_timeout_s: float = 10.0,
+        password: str | None = None,
+        acl_users: list[str] | tuple[str, ...] = (),
+        tls: tuple[str, str, str] | None = None,
     ) -> None:
         found = binary or find_redis_server()
         if found is None:
@@ -74,12 +88,26 @@ class LocalRedisServer:
         self.port = port if port is not None else free_port(self.host)
         self.extra_args = list(extra_args)
         self.startup_timeout_s = startup_timeout_s
+        self.password = password
+        self.acl_users = list(acl_users)
+        self.tls = tls
+        self.tls_port = free_port(self.host) if tls is not None else None
         self._dir = tempfile.mkdtemp(prefix="kvflow-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        """``redis://`` URL of the plain port (with the password, if one is set)."""
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def tls_url(self) -> str:
+        """``rediss://`` URL of the TLS port (with the password, if one is set)."""
+        if self.tls_port is None:
+            raise RedisServerError("this server was started without TLS")
+        auth = f":{self.password}@" if self.password is not None else ""
+        return f"rediss://{auth}{self.host}:{self.tls_port}/0"
 
     @property
     def running(self) -> bool:
@@ -98,6 +126,21 @@ class LocalRedisServer:
             "--dir", self._dir, "--logfile", str(self.log_path),
             *self.extra_args,
         ]
+        secrets = []  # in a file only the owner reads, not on the command line
+        if self.password is not None:
+            secrets.append(f"requirepass {self.password}")
+        secrets += [f"user {rule}" for rule in self.acl_users]
+        if secrets:
+            conf = Path(self._dir) / "auth.conf"
+            fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write("\n".join(secrets) + "\n")
+            cmd.insert(1, str(conf))
+        if self.tls is not None:
+            cert, key, ca = self.tls
+            cmd += ["--tls-port", str(self.tls_port), "--tls-cert-file", cert,
+                    "--tls-key-file", key, "--tls-ca-cert-file", ca,
+                    "--tls-auth-clients", "no"]
         self._proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
         )
@@ -105,7 +148,7 @@ class LocalRedisServer:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 break
-            if _pings(self.host, self.port):
+            if _pings(self.host, self.port, password=self.password):
                 return self
             time.sleep(0.01)
         log = ""

@@ -20,6 +20,20 @@ Failure semantics (the store is a cache; the caller recomputes):
 * a blob failing its checksum or header check is a miss counted as
   ``corrupt`` and is deleted.
 
+Authentication (anyone who can write to a shared Redis could otherwise plant
+blocks for any tenant): every blob carries a keyed MAC (``kvflow.stores.mac``)
+under a key derived per namespace from the deployment key, given as
+``mac_key`` or read from ``KVFLOW_STORE_KEY_FILE`` / ``KVFLOW_STORE_KEY``. A
+blob without a valid MAC is a miss counted as ``forged`` (or ``corrupt`` when
+its checksum fails too), logged, and deleted. With no key the store refuses
+to start unless ``authenticate=False`` says the Redis is private to one
+trusted writer.
+
+Server access: ``redis://[user[:password]@]host:port/db`` authenticates (Redis
+AUTH, ACL users too) and ``rediss://...`` speaks TLS (certificates checked
+against the system's CAs, or ``ssl_ca_certs``); the host/port form takes
+``username``, ``password``, ``ssl``. A password never appears in ``address``.
+
 Capacity is the server's business (``maxmemory`` plus an eviction policy such
 as ``allkeys-lru``); ``evictions`` stays 0 here. ``redis`` (redis-py) is an
 optional extra: it is imported when a ``RedisStore`` is created.
@@ -41,9 +55,14 @@ from kvflow.stores.base import (
     StoreStats,
     encode_blob,
     encode_key,
+    failure_kind,
     payload_view,
     storage_name,
 )
+from kvflow.stores.mac import KEY_ENV, KEY_FILE_ENV, BlockMac, load_deployment_key, log
+
+#: Forged blobs logged one by one before the log goes to one line per 1,000.
+_LOGGED_FORGERIES = 10
 
 
 def _import_redis() -> Any:
@@ -59,8 +78,11 @@ def _import_redis() -> Any:
 class RedisStore(BlockStore):
     """Blocks in a Redis server; see the module docstring for the failure semantics.
 
-    Give either ``url`` (``redis://[:password@]host:port/db``) or ``host`` /
-    ``port`` / ``db`` / ``password``. ``ttl_s`` sets an expiry on every block
+    Give either ``url`` (``redis://[[user]:password@]host:port/db``, ``rediss://`` for
+    TLS) or ``host`` / ``port`` / ``db`` / ``username`` / ``password`` / ``ssl``.
+    ``mac_key`` is the deployment key (default: from the environment, see the
+    module docstring); ``authenticate=False`` stores plain checksummed blobs
+    and accepts only those. ``ttl_s`` sets an expiry on every block
     (``None``: none). ``socket_timeout`` bounds one round trip (a hung server
     costs a worker thread at most that long); ``connect_timeout`` one connect.
     ``socket_read_size`` is redis-py's receive chunk: blocks are hundreds of KB,
@@ -76,7 +98,12 @@ class RedisStore(BlockStore):
         host: str = "127.0.0.1",
         port: int = 6379,
         db: int = 0,
+        username: str | None = None,
         password: str | None = None,
+        ssl: bool = False,
+        ssl_ca_certs: str | None = None,
+        mac_key: bytes | None = None,
+        authenticate: bool = True,
         ttl_s: float | None = None,
         socket_timeout: float = 1.0,
         connect_timeout: float = 1.0,
@@ -97,6 +124,17 @@ class RedisStore(BlockStore):
             raise ConfigError(f"batch_size must be positive, got {batch_size!r}")
         if retry_interval_s < 0:
             raise ConfigError(f"retry_interval_s must be >= 0, got {retry_interval_s!r}")
+        if authenticate:
+            key = mac_key if mac_key is not None else load_deployment_key()
+            if key is None:
+                raise ConfigError(
+                    f"a shared store needs a deployment key to authenticate its blocks: "
+                    f"set {KEY_FILE_ENV} to a file holding one (openssl rand -hex 32) or "
+                    f"{KEY_ENV}; authenticate=False only for a Redis no one else writes")
+            self._mac: BlockMac | None = BlockMac(key, namespace)
+        else:
+            self._mac = None
+        self._forgeries = 0
         self.ttl_s = ttl_s
         self.batch_size = batch_size
         self.retry_interval_s = retry_interval_s
@@ -111,12 +149,23 @@ class RedisStore(BlockStore):
             max_connections=max_connections,
             socket_read_size=socket_read_size,
         )
+        if ssl_ca_certs is not None:
+            opts["ssl_ca_certs"] = ssl_ca_certs
         if url is not None:
+            scheme = url.split("://", 1)[0].lower()
+            if scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"unsupported Redis URL scheme {scheme!r}: use redis:// "
+                                  "or rediss:// (TLS)")
+            if scheme != "rediss":
+                opts.pop("ssl_ca_certs", None)
             self._client = redis.Redis.from_url(url, **opts)
-            self.address = url
+            self.address = redact_url(url)
         else:
-            self._client = redis.Redis(host=host, port=port, db=db, password=password, **opts)
-            self.address = f"redis://{host}:{port}/{db}"
+            if not ssl:
+                opts.pop("ssl_ca_certs", None)
+            self._client = redis.Redis(host=host, port=port, db=db, username=username,
+                                       password=password, ssl=ssl, **opts)
+            self.address = f"{'rediss' if ssl else 'redis'}://{host}:{port}/{db}"
         self._errors = redis.exceptions.RedisError
         self._conn_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
         self._down_until = 0.0
@@ -137,6 +186,16 @@ class RedisStore(BlockStore):
         if isinstance(exc, self._conn_errors):
             with self._down_lock:
                 self._down_until = time.monotonic() + self.retry_interval_s
+
+    def _log_forgery(self, enc: str) -> None:
+        self._forgeries += 1
+        n = self._forgeries
+        if n <= _LOGGED_FORGERIES:
+            log.warning("%s: block %s in namespace %s has no valid MAC (key id %s): "
+                        "treated as a miss and deleted", self.address, enc,
+                        self.namespace.name, self._mac.key_id if self._mac else "-")
+        elif n % 1000 == 0:
+            log.warning("%s: %d blocks without a valid MAC so far", self.address, n)
 
     @property
     def is_down(self) -> bool:
@@ -180,9 +239,14 @@ class RedisStore(BlockStore):
             for i, (enc, blob) in enumerate(zip(chunk, blobs, strict=True)):
                 if blob is None:
                     continue
-                view = payload_view(blob, ns.layout, enc, ns.block_bytes)
+                view = payload_view(blob, ns.layout, enc, ns.block_bytes, self._mac)
                 if view is None:
-                    delta.corrupt += 1
+                    if self._mac is not None and failure_kind(
+                            blob, ns.layout, enc, ns.block_bytes) == "forged":
+                        delta.forged += 1
+                        self._log_forgery(enc)
+                    else:
+                        delta.corrupt += 1
                     bad.append(self._rkey(enc))
                     continue
                 if into is None:
@@ -224,7 +288,8 @@ class RedisStore(BlockStore):
                 continue
             pipe = self._client.pipeline(transaction=False)
             for enc, payload in chunk:
-                pipe.set(self._rkey(enc), encode_blob(self.namespace.layout, enc, payload), px=px)
+                pipe.set(self._rkey(enc), encode_blob(self.namespace.layout, enc, payload,
+                                                      self._mac), px=px)
             try:
                 results = pipe.execute(raise_on_error=False)
             except self._errors as exc:
@@ -271,6 +336,10 @@ class RedisStore(BlockStore):
     def delete(self, key: Hashable) -> bool:
         self._check_open()
         delta = StoreStats()
+        if self._is_down():  # like every data call: no connect tried while down
+            delta.errors += 1
+            self._count(delta)
+            return False
         try:
             n = self._client.delete(self._rkey(encode_key(key)))
         except self._errors as exc:
@@ -304,3 +373,19 @@ class RedisStore(BlockStore):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.address!r}, namespace={self.namespace.name!r})"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for reprs, reports and logs)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
