@@ -648,17 +648,30 @@ class CacheManager:
             self._drop_with_subtree(node, DEVICE)
 
     def _adopt_private(self, plan: Plan) -> None:
-        """Index private blocks whose key is still unknown and whose parent is cached."""
+        """Index the private blocks the request computed, where prefix closure allows.
+
+        A key still unknown becomes a new node on the device. A key indexed already
+        with no device copy (its copy is on host or in storage, perhaps still on its
+        way up for a prefetch given up at admission) takes our block as its device
+        copy: the KV is the same, and dropping it would make the next request that
+        needs the block load or recompute it again. Any other (another request is
+        computing it, or it is on the device already) frees our block.
+        """
         index = self.index
         dev = self.pools[DEVICE]
         keys = plan.keys
         for i in plan.private:
             key = keys[i]
             parent = index.get(keys[i - 1]) if i else None
-            if key in index.nodes or (i and (parent is None or not parent.matchable)):
+            if i and (parent is None or not parent.matchable):
                 dev.free([plan.device_ids[i]])
                 continue
-            node = index.insert(key, parent)
+            node = index.get(key)
+            if node is None:
+                node = index.insert(key, parent)
+            elif node.state[DEVICE] != ABSENT or node.parent is not parent:
+                dev.free([plan.device_ids[i]])
+                continue
             index.set_copy(node, DEVICE, plan.device_ids[i], READY)
             index.ref(node)
             plan.nodes.append(node)

@@ -417,3 +417,20 @@ def test_eviction_hands_victims_blocks_to_the_plan():
     assert m.stats.evictions[0] == 4 and m.pools[0].num_free == 0
     assert m.match("abcd") == [] and [n.key for n in m.match("wxyz")] == list("wxyz")
     m.check_invariants()
+
+
+def test_recomputed_blocks_indexed_below_become_device_copies() -> None:
+    """A best-effort plan recomputes blocks that are only in storage (their prefetch
+    was given up); the recomputed KV must stay on the device as those nodes' device
+    copies, not be thrown away because the keys were known (the next request would
+    load or recompute them again)."""
+    m = CacheManager(Capacities(device=8, host=4, storage=8))
+    assert m.found(Tier.STORAGE, [("a", None), ("b", "a"), ("c", "b")]) == 3
+    plan = m.plan("r1", ["a", "b", "c", "d"], use_storage=False)
+    assert plan.num_cached == 0 and plan.ops == []  # nothing loaded: all computed
+    m.commit(plan)
+    for op in m.finish(plan):
+        m.complete(op, True)
+    again = m.plan("r2", ["a", "b", "c", "d"], use_storage=False)
+    assert again.hits(Tier.DEVICE) == 4
+    m.check_invariants()
