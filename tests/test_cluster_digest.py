@@ -31,7 +31,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "three_ttft_small_tiers": (
         {"instances": 3, "router": "ttft", "device_blocks": 200, "host_blocks": 600,
          "storage_blocks": 3000},
-        "c7c1ec48d00a0ce81ed2c94e6e5d3ec44db164fe7d0d1078bd89d69cfdf7b3a7"),  # recomputed blocks adopted (manager._adopt_private)
+        "c7c1ec48d00a0ce81ed2c94e6e5d3ec44db164fe7d0d1078bd89d69cfdf7b3a7"),  # adopted blocks
     "two_approx_write_back": (
         {"instances": 2, "router": "prefix", "router_view": "approx",
          "write_policy": "write_back", "device_blocks": 300, "host_blocks": 400,
