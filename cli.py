@@ -30,6 +30,7 @@ from traces.cli import (
     trace_app,
     user_errors,
 )
+from traces.writer import replaceable
 
 app = typer.Typer(
     help="kvflow: KV-cache tiering for LLM serving — simulate with real traces, or run on a GPU.",
@@ -398,9 +399,13 @@ def replay(
         fail(f"all {report['rejected']} requests were rejected: each needs more device blocks "
              f"than the {report['config']['device_blocks']} given")
     if out is not None:
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(out)
+        if replaceable(out):
+            tmp = out.with_name(out.name + ".tmp")
+            tmp.write_text(json.dumps(report, indent=1))
+            tmp.replace(out)
+        else:  # /dev/null, /dev/stdout, a FIFO: written in place, never renamed over
+            with open(out, "w") as f:
+                f.write(json.dumps(report, indent=1))
     if as_json:
         typer.echo(json.dumps(report, indent=1))
     else:

@@ -11,6 +11,7 @@ import contextlib
 import gzip
 import json
 import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
@@ -84,6 +85,14 @@ def write_generic(
         raise FileExistsError(f"{os.fspath(path)} exists (pass force=True to replace it)")
     if not target.parent.is_dir():
         raise FileNotFoundError(f"no such directory: {target.parent}")
+    if not replaceable(target):  # /dev/stdout, a FIFO: written in place, never renamed over
+        count = 0
+        with _open_text_out(target, gz=target.name.endswith(".gz")) as f:
+            f.write(json.dumps(header(block_tokens, **meta)) + "\n")
+            for req in requests:
+                f.write(json.dumps(record(req, block_tokens)) + "\n")
+                count += 1
+        return count
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     count = 0
     try:
@@ -98,3 +107,15 @@ def write_generic(
             tmp.unlink()
         raise
     return count
+
+
+def replaceable(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` may be written by renaming a temporary file over it: it does not
+    exist yet, or it is a regular file. Anything else (``/dev/null``, ``/dev/stdout``, a
+    FIFO) is written in place: renaming over it would replace the device node (as root)
+    with a regular file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return True
+    return stat.S_ISREG(mode)

@@ -40,6 +40,7 @@ from kvflow.reports.render import (
     get_path,
     sections,
 )
+from traces.writer import replaceable
 
 # -- plots ------------------------------------------------------------------------------
 
@@ -321,6 +322,11 @@ def write_files(files: Mapping[Path, bytes | str], force: bool = False) -> list[
     for p, data in files.items():
         p.parent.mkdir(parents=True, exist_ok=True)
         blob = data.encode("utf-8") if isinstance(data, str) else data
+        if not replaceable(p):  # a device node or FIFO: in place, never renamed over
+            with open(p, "wb") as fh:
+                fh.write(blob)
+            written.append(p)
+            continue
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
         try:
             with os.fdopen(fd, "wb") as fh:
