@@ -74,8 +74,9 @@ class TransferTask:
         self.error: BaseException | None = None
         self.handle: object = None
         self.deps: list[TransferTask] = []
-        self._layer_futs: dict[int, asyncio.Future[None]] | None = None
-        self._done: asyncio.Future[None] | None = None
+        # Awaiters' futures, one per call: per layer, and of the whole transfer.
+        self._layer_futs: dict[int, list[asyncio.Future[None]]] | None = None
+        self._done: list[asyncio.Future[None]] | None = None
         self._raw_dependents: list[TransferTask] = []
         # Set when a source this task reads from failed: whatever the backend
         # reports at the end, the bytes written are not valid.
@@ -107,34 +108,45 @@ class TransferTask:
 
     # -- awaiting ------------------------------------------------------------------
     def layer(self, i: int) -> asyncio.Future[None]:
-        """A future resolved when layer ``i`` has landed (or failed)."""
+        """A future resolved when layer ``i`` has landed (or failed).
+
+        Each call gets a future of its own: an awaiter that gives up (its
+        ``asyncio.wait_for`` timing out, its task cancelled) cancels only its
+        own, never the transfer or what other awaiters wait on.
+        """
         loop = self._runtime.loop
+        fut = loop.create_future()
         if i < self.layers_done:
-            fut = loop.create_future()
             fut.set_result(None)
             return fut
         if not 0 <= i < self.num_layers:
             raise IndexError(f"layer {i} out of range [0, {self.num_layers})")
         if self.finished:
-            fut = loop.create_future()
             fut.set_exception(self._failure())
             return fut
-        if self._layer_futs is None:
-            self._layer_futs = {}
-        fut = self._layer_futs.get(i)
-        if fut is None:
-            fut = self._layer_futs[i] = loop.create_future()
+        futs = self._layer_futs
+        if futs is None:
+            futs = self._layer_futs = {}
+        waiters = futs.get(i)
+        if waiters is None:
+            futs[i] = [fut]
+        else:
+            _append_pruned(waiters, fut)
         return fut
 
     def wait(self) -> asyncio.Future[None]:
-        """A future resolved when the whole transfer has landed (or failed)."""
-        if self._done is None:
-            self._done = self._runtime.loop.create_future()
-            if self.state is TaskState.DONE:
-                self._done.set_result(None)
-            elif self.finished:
-                self._done.set_exception(self._failure())
-        return self._done
+        """A future resolved when the whole transfer has landed (or failed); one per
+        call, like ``layer``."""
+        fut = self._runtime.loop.create_future()
+        if self.state is TaskState.DONE:
+            fut.set_result(None)
+        elif self.finished:
+            fut.set_exception(self._failure())
+        elif self._done is None:
+            self._done = [fut]
+        else:
+            _append_pruned(self._done, fut)
+        return fut
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -160,9 +172,9 @@ class TransferTask:
         futs = self._layer_futs
         if futs:
             for i in [i for i in futs if i <= layer]:
-                fut = futs.pop(i)
-                if not fut.done():
-                    fut.set_result(None)
+                for fut in futs.pop(i):
+                    if not fut.done():
+                        fut.set_result(None)
 
     def done(self, error: BaseException | None = None) -> None:
         if self.finished:
@@ -176,24 +188,35 @@ class TransferTask:
             self.error = error
             self.state = (TaskState.CANCELLED if isinstance(error, asyncio.CancelledError)
                           else TaskState.FAILED)
+        exc = None if error is None else self._failure()
         futs = self._layer_futs
         if futs:
-            exc = None if error is None else self._failure()
-            for fut in futs.values():
-                if not fut.done():
-                    if exc is None:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(exc)
-                        fut.exception()  # a layer nobody awaits any more is not an error
+            for waiters in futs.values():
+                _settle(waiters, exc)  # a layer nobody awaits any more is not an error
             self._layer_futs = None
-        if self._done is not None and not self._done.done():
-            if error is None:
-                self._done.set_result(None)
-            else:
-                self._done.set_exception(self._failure())
-                self._done.exception()
+        if self._done is not None:
+            _settle(self._done, exc)
+            self._done = None
         self._runtime._finished(self)
+
+
+def _append_pruned(waiters: list[asyncio.Future[None]], fut: asyncio.Future[None]) -> None:
+    """Add an awaiter's future; drop those whose awaiters gave up, once there are many
+    (a caller polling with short timeouts must not grow the list without bound)."""
+    if len(waiters) >= 16:
+        waiters[:] = [f for f in waiters if not f.done()]
+    waiters.append(fut)
+
+
+def _settle(waiters: list[asyncio.Future[None]], exc: BaseException | None) -> None:
+    for fut in waiters:
+        if fut.done():
+            continue  # its awaiter gave up
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: an awaiter that gave up is not an error
 
 
 @dataclass
