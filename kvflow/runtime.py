@@ -62,15 +62,22 @@ class TransferTask:
     ``LayerSink``: the backend reports progress straight into it.
     """
 
-    __slots__ = ("_done", "_layer_futs", "_poison", "_raw_dependents", "_runtime", "deps",
-                 "error", "handle", "layers_done", "num_layers", "op", "state")
+    __slots__ = ("_clock", "_done", "_layer_futs", "_layers_done", "_poison", "_raw_dependents",
+                 "_runtime", "deps", "error", "handle", "num_layers", "op", "state")
+
+    #: The sink protocol's opt-in (``kvflow.backend.LayerSink``): a backend whose handles
+    #: know their layers' landing times (the simulator's) may report a layer only when
+    #: ``layer(i)`` waits for it; ``layers_done`` then reads the handle.
+    lazy_layers = True
 
     def __init__(self, runtime: Runtime, op: TransferOp, num_layers: int) -> None:
         self._runtime = runtime
         self.op = op
         self.num_layers = num_layers
         self.state = TaskState.RUNNING
-        self.layers_done = 0
+        self._layers_done = 0
+        # The backend handle, where it reports layers lazily (see ``lazy_layers``).
+        self._clock: Any = None
         self.error: BaseException | None = None
         self.handle: object = None
         self.deps: list[TransferTask] = []
@@ -91,6 +98,14 @@ class TransferTask:
     def blocks(self) -> tuple[list[int], list[int]]:
         """(source ids, destination ids)."""
         return self.op.src_ids, self.op.dst_ids
+
+    @property
+    def layers_done(self) -> int:
+        """Layers landed (and valid) so far."""
+        clock = self._clock
+        if clock is not None and self.state is TaskState.RUNNING and self._poison is None:
+            return clock.layers_reported()
+        return self._layers_done
 
     @property
     def finished(self) -> bool:
@@ -130,6 +145,8 @@ class TransferTask:
         waiters = futs.get(i)
         if waiters is None:
             futs[i] = [fut]
+            if self._clock is not None and self._poison is None:
+                self._clock.watch(i)
         else:
             _append_pruned(waiters, fut)
         return fut
@@ -155,6 +172,11 @@ class TransferTask:
         """Stop the transfer; its blocks become not resident (recompute)."""
         self._runtime.cancel(self, reason)
 
+    def _set_poison(self, error: BaseException) -> None:
+        """From now on nothing it writes is valid: its layer count stops where it is."""
+        self._layers_done = self.layers_done
+        self._poison = error
+
     def _failure(self) -> TransferError:
         err = self.error
         if isinstance(err, TransferError):
@@ -168,7 +190,7 @@ class TransferTask:
     def layer_done(self, layer: int) -> None:
         if self.finished or self._poison is not None:
             return
-        self.layers_done = layer + 1
+        self._layers_done = layer + 1
         futs = self._layer_futs
         if futs:
             for i in [i for i in futs if i <= layer]:
@@ -181,8 +203,10 @@ class TransferTask:
             return
         if self._poison is not None:
             error = self._poison
+        elif self._clock is not None:
+            self._layers_done = self._clock.layers_reported()
         if error is None:
-            self.layers_done = self.num_layers
+            self._layers_done = self.num_layers
             self.state = TaskState.DONE
         else:
             self.error = error
@@ -286,7 +310,9 @@ class Runtime:
             m.prefetch["issued"] += 1
         if self._idle is not None:
             self._idle.clear()
-        task.handle = self.backend.submit(op, task, [d.handle for d in task.deps])
+        task.handle = handle = self.backend.submit(op, task, [d.handle for d in task.deps])
+        if getattr(handle, "lazy_layers", False) is True:
+            task._clock = handle
         if deadline is not None and not task.finished:
             self.loop.call_at(deadline, self._expire, task)
         return task
@@ -322,7 +348,7 @@ class Runtime:
         if task.finished:
             return
         if task._poison is None:
-            task._poison = asyncio.CancelledError(reason)
+            task._set_poison(asyncio.CancelledError(reason))
         self.backend.cancel(task.handle)
 
     def _expire(self, task: TransferTask) -> None:
@@ -359,9 +385,9 @@ class Runtime:
             for dep in task._raw_dependents:
                 if not dep.finished:
                     m.dependency_failures += 1
-                    dep._poison = TransferError(
+                    dep._set_poison(TransferError(
                         f"{dep.op.kind.value} op {dep.op.op_id}: its source "
-                        f"(op {op.op_id}) did not land")
+                        f"(op {op.op_id}) did not land"))
                     self.backend.cancel(dep.handle)
         task._raw_dependents = []
         follow = self.manager.complete(op, ok)

@@ -24,11 +24,12 @@ __all__ = ["TransferLog"]
 class _LoggedSink:
     """Forwards a backend's reports to the runtime's sink; notes when the op ended."""
 
-    __slots__ = ("_log", "_rec", "_sink", "layer_done")
+    __slots__ = ("_log", "_rec", "_sink", "layer_done", "lazy_layers")
 
     def __init__(self, log: TransferLog, rec: list[Any], sink: Any) -> None:
         self._log, self._rec, self._sink = log, rec, sink
         self.layer_done = sink.layer_done  # per layer: no extra frame
+        self.lazy_layers = getattr(sink, "lazy_layers", False)
 
     def done(self, error: BaseException | None = None) -> None:
         self._log._done(self._rec, error)
