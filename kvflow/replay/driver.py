@@ -21,12 +21,14 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
+from kvflow.replay.aggregate import Finished, RequestsCsv
 from kvflow.replay.config import ReplayConfig, Setup, make_manager, resolve
 from kvflow.replay.load import load_section
 from kvflow.replay.report import (
@@ -50,6 +52,7 @@ def run_replay(cfg: ReplayConfig,
                configure_backend: Callable[[Any], None] | None = None,
                inspect: Inspect | None = None,
                timeout_s: float | None = None,
+               requests_csv: str | Path | None = None,
                ) -> dict[str, Any]:
     """Run one replay and return its report (a JSON-ready dict).
 
@@ -58,6 +61,9 @@ def run_replay(cfg: ReplayConfig,
     (fault injection); ``inspect`` sees the manager and runtime after the last
     one (invariant checks); ``timeout_s`` bounds a full replay's run (a
     ``ConfigError`` past it). All are for tests, experiments and calibration.
+    ``requests_csv``: a full replay writes one row per request there as it
+    finishes (``kvflow.replay.aggregate.CSV_COLUMNS``); the report itself keeps
+    only aggregates.
     """
     if configure_backend is not None:
         if cfg.backend != "sim":
@@ -65,6 +71,9 @@ def run_replay(cfg: ReplayConfig,
         if world is None:
             world = load_world("sim", configure_backend=configure_backend)
     t0 = time.perf_counter()
+    if requests_csv is not None and cfg.mode != "full":
+        raise ConfigError("requests_csv: per-request rows come from a full replay only "
+                          f"(mode is {cfg.mode!r})")
     if cfg.mode == "cache":
         if cfg.instances == "auto":
             cfg = dataclasses.replace(cfg, instances=1)
@@ -81,7 +90,13 @@ def run_replay(cfg: ReplayConfig,
     if auto:
         cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
     manager = make_manager(cfg, setup.capacities)
-    body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect, timeout_s))
+    csv_out = None if requests_csv is None else RequestsCsv(requests_csv)
+    try:
+        body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect,
+                                         timeout_s, csv_out))
+    finally:
+        if csv_out is not None:
+            csv_out.close()
     report = assemble_report(cfg, setup, manager, body, t0)
     report["load"]["instances_auto"] = auto
     return report
@@ -136,7 +151,8 @@ def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
 async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager, world: World,
                           progress: Callable[[int, int], None] | None = None,
                           inspect: Inspect | None = None,
-                          timeout_s: float | None = None) -> dict[str, Any]:
+                          timeout_s: float | None = None,
+                          csv_out: RequestsCsv | None = None) -> dict[str, Any]:
     """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
     through the router (one instance: ``manager`` is its manager)."""
     managers = [manager] + [make_manager(cfg, setup.capacities)
@@ -147,7 +163,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
             sites.append(await world.start(WorldSetup(
                 setup.spec, setup.profile, setup.capacities, cfg.seed,
                 cfg.max_batch_tokens + cfg.max_running)))
-        return await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s)
+        return await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,
+                            csv_out)
     finally:
         for site in sites:
             await site.stop()
@@ -155,28 +172,38 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
 
 async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
                  sites: list[Site], progress: Callable[[int, int], None] | None,
-                 inspect: Inspect | None, timeout_s: float | None) -> dict[str, Any]:
+                 inspect: Inspect | None, timeout_s: float | None,
+                 csv_out: RequestsCsv | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     site = sites[0]  # the clock and the arrivals' sleeps (all instances share the loop)
     parts: list[Part] = []
     total = len(setup.requests)
     finished = 0
+    start = site.clock()  # the report counts from the first arrival at 0
 
-    def on_progress(_st: Any) -> None:
-        nonlocal finished
-        finished += 1
-        if progress is not None:
-            progress(finished, total)
-
-    for mgr, s in zip(managers, sites, strict=True):
-        log = TransferLog(s.backend, loop, s.service_s)
+    for i, (mgr, s) in enumerate(zip(managers, sites, strict=True)):
+        # Requests are folded into the report as they leave, then let go; per-op
+        # records only where the world reads them (Site.keep_transfer_records).
+        log = TransferLog(s.backend, loop, s.service_s,
+                          keep_records=getattr(s, "keep_transfer_records", True))
         runtime, engine, sampler = wire_engine(cfg, setup, mgr, log, s.executor, loop, None)
         engine.clock = s.clock
-        engine.on_finish = on_progress
-        parts.append(Part(engine, runtime, log, sampler))
+        fin = Finished(start, cfg.sample_interval_s)
+        row = None if csv_out is None else csv_out.writer(i, start)
+
+        def on_finish(st: Any, fin: Finished = fin, row: Any = row) -> None:
+            nonlocal finished
+            fin.add(st)
+            if row is not None:
+                row(st)
+            finished += 1
+            if progress is not None:
+                progress(finished, total)
+
+        engine.on_finish = on_finish
+        parts.append(Part(engine, runtime, log, sampler, fin))
     cluster = Cluster(cfg, setup, parts) if len(parts) > 1 else None
     engines = [p.engine for p in parts]
-    start = site.clock()
     arrivals = [start + r.arrival_s for r in setup.requests]
     cursor = 0  # index of the next request to arrive
 
@@ -227,12 +254,6 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
         for p in parts:
             inspect(p.runtime.manager, p.runtime)
     if start != 0.0:  # the report counts from the first arrival at 0
-        for engine in engines:
-            for st in engine.done:
-                for name in ("admit_s", "first_token_s", "finish_s"):
-                    v = getattr(st, name)
-                    if v is not None:
-                        setattr(st, name, v - start)
         for p in parts:
             p.sampler.t = [round(t - start, 6) for t in p.sampler.t]
     body = full_report(setup, parts, end - start, (cfg.slo_ttft_s, cfg.slo_tpot_s))
@@ -258,8 +279,16 @@ def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: Tra
     spec = setup.spec
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
-                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running),
+                    keep_done=False)
     if progress is not None:
         total = len(setup.requests)
-        engine.on_finish = lambda st: progress(len(engine.done), total)
+        count = 0
+
+        def on_finish(_st: Any) -> None:
+            nonlocal count
+            count += 1
+            progress(count, total)
+
+        engine.on_finish = on_finish
     return runtime, engine, Sampler(engine, log, executor, cfg.sample_interval_s)
