@@ -78,3 +78,19 @@ def test_requests_csv_needs_full_mode(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="full replay only"):
         run_replay(ReplayConfig(limit=10, mode="cache"), requests_csv=tmp_path / "r.csv")
     assert not (tmp_path / "r.csv").exists()
+
+
+def test_requests_are_read_from_the_trace_not_held(tmp_path: Path) -> None:
+    from kvflow.replay import resolve
+    from kvflow.replay.requests import Requests
+
+    setup = resolve(ReplayConfig(limit=40))
+    reqs = setup.requests
+    assert isinstance(reqs, Requests) and len(reqs) == 40
+    listed = list(reqs)
+    assert [r.arrival_s for r in listed] == list(reqs.arrival_s)
+    assert [r.input_len for r in listed] == list(reqs.input_len)
+    assert reqs[0] == listed[0] and reqs[-1] == listed[-1] and reqs[3:5] == listed[3:5]
+    assert list(reqs) == listed  # a second pass reads the same requests
+    with pytest.raises(IndexError):
+        reqs[40]

@@ -65,7 +65,11 @@ class Cluster:
         self.engines: list[Engine] = [p.engine for p in parts]
         spec, caps = setup.spec, setup.capacities
         requests = setup.requests
-        mean_prompt = (sum(r.input_len for r in requests) / len(requests)) if requests else 0.0
+        # (a replay's Requests keeps every length: no second read of the trace)
+        lengths = getattr(requests, "input_len", None)
+        if lengths is None:
+            lengths = [r.input_len for r in requests]
+        mean_prompt = (sum(lengths) / len(requests)) if len(requests) else 0.0
         cost = CostModel(spec, setup.profile)
         predict = prediction(cost, setup.profile, cfg.max_batch_tokens, mean_prompt / 2,
                              min(cfg.max_running, 32))

@@ -8,7 +8,7 @@ before any trace is read.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.profile import GpuProfile, load_profile
+from kvflow.replay.requests import Requests
 from kvflow.world import WORLDS, TierRequest, World, default_capacities
 from traces import Request, open_trace, sample_path
 from traces.reshape import bound, poisson_arrivals, rate_scale
@@ -148,7 +149,8 @@ class Setup:
     spec: ModelSpec
     profile: GpuProfile
     capacities: Capacities
-    requests: list[EngineRequest]
+    #: Read from the trace each pass (``kvflow.replay.requests.Requests``), not held.
+    requests: Sequence[EngineRequest]
     trace_path: str
     skipped: int
 
@@ -184,8 +186,7 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
         source = rate_scale(source, cfg.rate_scale)
     if cfg.duration_s is not None or cfg.limit is not None:
         source = bound(source, duration_s=cfg.duration_s, limit=cfg.limit)
-    requests = [EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
-                              req.input_len, req.output_len) for req in source]
+    requests = Requests(source, lambda req: request_keys(req, hasher))
     want = cfg.tier_request()
     capacities = (default_capacities(spec, profile, want) if world is None
                   else world.capacities(spec, profile, want))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from kvflow.replay.report import (
     hit_rates,
     instance_rows,
 )
+from kvflow.replay.requests import numbers
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
 from kvflow.world import Site, World, WorldSetup, load_world
@@ -204,7 +206,7 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
         parts.append(Part(engine, runtime, log, sampler, fin))
     cluster = Cluster(cfg, setup, parts) if len(parts) > 1 else None
     engines = [p.engine for p in parts]
-    arrivals = [start + r.arrival_s for r in setup.requests]
+    arrivals = array("d", [start + a for a in numbers(setup.requests)[0]])
     cursor = 0  # index of the next request to arrive
 
     def next_arrival() -> float | None:
