@@ -139,6 +139,7 @@ class RequestState:
     hits: tuple[int, int, int] = (0, 0, 0)
     error: str | None = None
     seq: int = field(default=0, repr=False)       # admission order (running order)
+    computing0: int = field(default=0, repr=False)  # len(plan.computing) when planned
     dstep0: int = field(default=0, repr=False)    # decode step count at its first token
 
 
@@ -311,6 +312,7 @@ class Engine:
                 manager.release(st.reservation)
                 st.reservation = None
             st.plan = plan
+            st.computing0 = len(plan.computing)
             st.admit_s = self.clock()
             st.hits = self._served_from(st, plan.num_cached)
             st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
@@ -464,7 +466,9 @@ class Engine:
         """Move the prefill start back to the first block whose load failed."""
         plan = st.plan
         assert plan is not None
-        if not plan.computing:
+        if len(plan.computing) == st.computing0:
+            # No load of its failed since it was planned: its computing blocks are the
+            # ones it was given, from the end of its cached prefix (as admission set it).
             return
         position = {id(n): i for i, n in enumerate(plan.nodes)}
         redo = [position[id(n)] for n in plan.computing if id(n) in position]

@@ -269,9 +269,10 @@ class Runtime:
         self.loop = loop or asyncio.get_running_loop()
         self.metrics = RuntimeMetrics()
         self.tasks: dict[int, TransferTask] = {}  # op id -> task, while in flight
-        # Per tier: block id -> the in-flight task writing it / tasks reading it.
+        # Per tier: block id -> the in-flight task writing it / the task (or, where
+        # several, the list of tasks) reading it.
         self._writer: list[dict[int, TransferTask]] = [{}, {}, {}]
-        self._readers: list[dict[int, list[TransferTask]]] = [{}, {}, {}]
+        self._readers: list[dict[int, TransferTask | list[TransferTask]]] = [{}, {}, {}]
         self._idle: asyncio.Event | None = None
 
     # -- submission -------------------------------------------------------------
@@ -284,21 +285,38 @@ class Runtime:
         deps: dict[int, TransferTask] = {}
         raw: list[TransferTask] = []
         src, dst = op.src_tier, op.dst_tier
+        src_ids, dst_ids = op.src_ids, op.dst_ids
         writer_s, writer_d = self._writer[src], self._writer[dst]
         readers_s, readers_d = self._readers[src], self._readers[dst]
-        for b in op.src_ids:
-            w = writer_s.get(b)
-            if w is not None and id(w) not in deps:
-                deps[id(w)] = w
-                raw.append(w)
-            readers_s.setdefault(b, []).append(task)
-        for b in op.dst_ids:
-            w = writer_d.get(b)
-            if w is not None:
-                deps[id(w)] = w
-            for r in readers_d.get(b, ()):
-                deps[id(r)] = r
-            writer_d[b] = task
+        # Most ops touch no block another op in flight touches: then the maps are
+        # updated in bulk; block by block only where they meet (same order as ever).
+        if not writer_s.keys().isdisjoint(src_ids):
+            for b in src_ids:
+                w = writer_s.get(b)
+                if w is not None and id(w) not in deps:
+                    deps[id(w)] = w
+                    raw.append(w)
+        if readers_s.keys().isdisjoint(src_ids):
+            readers_s.update(dict.fromkeys(src_ids, task))
+        else:
+            for b in src_ids:
+                r = readers_s.get(b)
+                if r is None:
+                    readers_s[b] = task
+                elif type(r) is list:
+                    r.append(task)
+                else:
+                    readers_s[b] = [r, task]
+        if not (writer_d.keys().isdisjoint(dst_ids) and readers_d.keys().isdisjoint(dst_ids)):
+            for b in dst_ids:
+                w = writer_d.get(b)
+                if w is not None:
+                    deps[id(w)] = w
+                r = readers_d.get(b)
+                if r is not None:
+                    for x in (r if type(r) is list else (r,)):
+                        deps[id(x)] = x
+        writer_d.update(dict.fromkeys(dst_ids, task))
         task.deps = list(deps.values())
         for w in raw:
             w._raw_dependents.append(task)
@@ -331,10 +349,15 @@ class Runtime:
         layer by layer, exactly as a transfer would.
         """
         readers = self._readers[tier]
+        ids = block_ids if isinstance(block_ids, (list, tuple)) else list(block_ids)
+        if readers.keys().isdisjoint(ids):
+            return []
         out: dict[int, TransferTask] = {}
-        for b in block_ids:
-            for r in readers.get(b, ()):
-                out[id(r)] = r
+        for b in ids:
+            r = readers.get(b)
+            if r is not None:
+                for x in (r if type(r) is list else (r,)):
+                    out[id(x)] = x
         return list(out.values())
 
     # -- cancellation ---------------------------------------------------------------
@@ -360,15 +383,20 @@ class Runtime:
         op = task.op
         self.tasks.pop(op.op_id, None)
         writer_d = self._writer[op.dst_tier]
+        get = writer_d.get
         for b in op.dst_ids:
-            if writer_d.get(b) is task:
+            if get(b) is task:
                 del writer_d[b]
         readers_s = self._readers[op.src_tier]
+        get = readers_s.get
         for b in op.src_ids:
-            lst = readers_s[b]  # registered in submit, once per source block
-            lst.remove(task)
-            if not lst:
+            r = get(b)  # registered in submit, once per source block
+            if r is task:
                 del readers_s[b]
+            elif type(r) is list:
+                r.remove(task)
+                if len(r) == 1:
+                    readers_s[b] = r[0]
         m = self.metrics
         ok = task.state is TaskState.DONE
         if ok:

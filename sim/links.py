@@ -51,6 +51,7 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable
 from heapq import heappush
+from itertools import accumulate, repeat
 from typing import TYPE_CHECKING, Any
 
 from simpy.core import NORMAL
@@ -311,29 +312,32 @@ class Server:
     # -- schedules --------------------------------------------------------------------
     def plan_alone(self, h: SimTransfer, now: float) -> bool:
         """Replan ``h`` on a link whose units nothing else affects; True if it changed."""
-        side = _Side(h, 0, now)
-        k, t, n = side.k, side.t, h._n
-        lands, starts = h._lands, h._starts
+        starts, lands = h._starts, h._lands
+        k = bisect_right(starts, now)  # units that have started keep their times
+        old = lands[k:]
+        if old:
+            del starts[k:], lands[k:]
+            if h._shared is not None:
+                del h._shared[k:]
+        t: float = lands[k - 1] if k else h._kicked_at  # type: ignore[assignment]
+        n = h._n
         if k < n:
+            # Unit after unit, each starting as the last lands: the same additions, in
+            # the same order, as one event per unit made.
             if self.overlap:
                 s0 = h.submitted_at + self.latency
-                dur = h.dur
-                for _ in range(k, n):
-                    starts.append(t)
-                    t = (s0 if s0 > t else t) + dur
-                    lands.append(t)
+                t1 = (s0 if s0 > t else t) + h.dur  # later units start past s0
+                times = list(accumulate(repeat(h.dur, n - k - 1), initial=t1))
             else:
-                u = h.unit
-                for _ in range(k, n):
-                    starts.append(t)
-                    t = t + u
-                    lands.append(t)
+                times = list(accumulate(repeat(h.unit, n - k), initial=t))[1:]
                 if k == 0:
-                    h.first_unit = lands[0] - starts[0]
-                if h._shared is not None:
-                    h._shared.extend([False] * (n - k))
-        h._walking = False
-        return lands[side.k0:] != side.old
+                    h.first_unit = times[0] - t
+            starts.append(t)
+            starts += times[:-1]
+            lands += times
+            if h._shared is not None:
+                h._shared.extend([False] * (n - k))
+        return lands[k:] != old
 
     def reschedule(self, h: SimTransfer) -> None:
         """(Re)schedule ``h``'s one pending event: its next report or its end."""
@@ -448,10 +452,22 @@ class Server:
         """Add the bytes and busy time of ``h``'s units up to ``until``, in time order."""
         i = h._acct
         lands = h._lands
-        end = 2 * len(lands)
+        m = len(lands)
+        end = 2 * m
         if i >= end:
             return
         starts, shared = h._starts, h._shared
+        if shared is None:  # no start adds anything: the landed units, in one go
+            j = i >> 1
+            k = m if lands[-1] <= until else bisect_right(lands, until)
+            if k > j:
+                busy_s, busy = self.busy_s, h.busy
+                for _ in range(k - j):
+                    busy_s += busy
+                self.busy_s = busy_s
+                self.bytes += (k - j) * h.nbytes
+                h._acct = 2 * k
+            return
         busy_s = self.busy_s
         while i < end:
             j = i >> 1
