@@ -10,11 +10,15 @@ the trace concatenated with itself 8 times, each copy shifted to start after the
 last and given block ids of its own (96,248 requests, ``traces.reshape.repeat``).
 
     python benchmarks/bench_replay.py [--sizes 1k,12k,100k] [--modes full,cache]
-        [--repeat 3] [--profile 12k] [--top 15] [--json out.json]
+        [--repeat 3] [--rate-scale 1.0] [--profile 12k] [--top 15] [--json out.json]
 
 Peak RSS is the process's high-water mark (``ru_maxrss``) after the replay, before
-the LRU's lists exist. ``--profile`` reruns the named sizes under cProfile (in
-their own processes, untimed) and prints the functions with the most own time.
+the LRU's lists exist. At the trace's own rate one H100 instance is ~2.5x
+overloaded, so its waiting queue (real model state: requests that arrived and
+wait) grows with the trace; ``--rate-scale 0.35`` offers it at a load one
+instance keeps up with, where memory is flat in the trace's length. ``--profile``
+reruns the named sizes under cProfile (in their own processes, untimed) and
+prints the functions with the most own time.
 """
 
 from __future__ import annotations
@@ -90,12 +94,13 @@ def lru3(requests: Sequence[Sequence[Any]], caps: tuple[int, int, int]) -> list[
     return hits
 
 
-def one(size: str, mode: str, tmp: Path, repeat: int) -> dict[str, Any]:
+def one(size: str, mode: str, tmp: Path, repeat: int, rate_scale: float = 1.0
+        ) -> dict[str, Any]:
     """Measure one size and mode in this process (run by ``main`` in a fresh one)."""
     from kvflow.replay import ReplayConfig, resolve, run_replay
 
     trace, limit = trace_for(size, tmp)
-    cfg = ReplayConfig(trace=trace, limit=limit, mode=mode)
+    cfg = ReplayConfig(trace=trace, limit=limit, mode=mode, rate_scale=rate_scale)
     c0, w0 = time.process_time(), time.perf_counter()
     report = run_replay(cfg)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
@@ -117,7 +122,8 @@ def one(size: str, mode: str, tmp: Path, repeat: int) -> dict[str, Any]:
         "req_per_cpu_s": n / cpu, "req_per_wall_s": n / wall,
         "us_per_req": cpu / n * 1e6, "lru_us_per_req": lru_cpu / n * 1e6,
         "ratio": cpu / lru_cpu, "ratio_without_read": (cpu - read_cpu) / lru_cpu,
-        "hit_rate": report["hit_rate"]["total"],
+        "hit_rate": report["hit_rate"]["total"], "rate_scale": rate_scale,
+        "max_queue": max(report["timeseries"].get("queue_len") or [0]),
     }
 
 
@@ -145,6 +151,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="1k,12k,100k")
     ap.add_argument("--modes", default="full,cache")
     ap.add_argument("--repeat", type=int, default=3, help="LRU runs (best of)")
+    ap.add_argument("--rate-scale", type=float, default=1.0,
+                    help="offer the traces this many times faster (0.35: a load one "
+                         "instance keeps up with, so its queue stays short)")
     ap.add_argument("--profile", default="", help="sizes to profile, e.g. 12k")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
@@ -154,7 +163,7 @@ def main() -> None:
     args = ap.parse_args()
     args.tmp.mkdir(parents=True, exist_ok=True)
     if args.one:
-        print(json.dumps(one(*args.one, args.tmp, args.repeat)))
+        print(json.dumps(one(*args.one, args.tmp, args.repeat, args.rate_scale)))
         return
     if args.profile_one:
         profile(*args.profile_one, args.tmp, args.top)
@@ -164,21 +173,23 @@ def main() -> None:
         trace_for(s, args.tmp)  # write the long trace before timing anything
     load = os.getloadavg()
     print(f"machine: {os.cpu_count()} CPUs, load average {load[0]:.2f} / {load[1]:.2f} / "
-          f"{load[2]:.2f} (1/5/15 min) at start")
+          f"{load[2]:.2f} (1/5/15 min) at start; rate scale {args.rate_scale}")
     rows = []
     head = (f"{'size':>5} {'mode':>5} {'requests':>8} {'req/s cpu':>9} {'req/s wall':>10} "
-            f"{'us/req':>7} {'LRU us/req':>10} {'x LRU':>6} {'x LRU*':>6} {'RSS MB':>7}")
+            f"{'us/req':>7} {'LRU us/req':>10} {'x LRU':>6} {'x LRU*':>6} {'RSS MB':>7} "
+            f"{'max queue':>9}")
     print(head)
     for s in sizes:
         for m in modes:
             row = json.loads(_child(["--one", s, m, "--repeat", str(args.repeat),
+                                     "--rate-scale", str(args.rate_scale),
                                      "--tmp", str(args.tmp)]))
             rows.append(row)
             print(f"{s:>5} {m:>5} {row['requests']:>8} {row['req_per_cpu_s']:>9,.0f} "
                   f"{row['req_per_wall_s']:>10,.0f} {row['us_per_req']:>7.1f} "
                   f"{row['lru_us_per_req']:>10.1f} {row['ratio']:>6.2f} "
-                  f"{row['ratio_without_read']:>6.2f} {row['peak_rss_mb']:>7.0f}",
-                  flush=True)
+                  f"{row['ratio_without_read']:>6.2f} {row['peak_rss_mb']:>7.0f} "
+                  f"{row['max_queue']:>9}", flush=True)
     load = os.getloadavg()
     print(f"load average at end {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f}")
     print("x LRU: replay CPU / bare LRU CPU, same process; x LRU*: the replay less its "
