@@ -528,6 +528,7 @@ class CacheManager:
         if plan.finished:
             raise ValueError(f"plan of request {plan.request_id!r} finished twice")
         plan.finished = True
+        plan.ops = []  # its ops keep it (op.plan) while in flight; it need not keep them
         dev = self.pools[DEVICE]
         if plan.committed:
             self._adopt_private(plan)

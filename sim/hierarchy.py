@@ -348,11 +348,13 @@ class SimBackend:
 
         def report(_event: object) -> None:
             server.kick()  # it may have been the head, or blocked behind a dep of it
+            sink = h.sink
             if not h._lazy:  # layers that landed the instant it was cancelled
                 for j in range(h._next_report, len(h._lands)):
                     h._next_report = j + 1
-                    h.sink.layer_done(j)
-            h.sink.done(error)
+                    sink.layer_done(j)
+            h.sink = None  # told everything: let the sink (which may hold this handle) go
+            sink.done(error)
 
         heappush(env._queue, (now, NORMAL, next(env._eid), _Tick(report, None)))
 

@@ -354,6 +354,7 @@ class Server:
                 sink.layer_done(j)
         elif error is not None and limit and h._watch and min(h._watch) < limit:
             sink.layer_done(limit - 1)  # what landed before the failure did land
+        h.sink = None  # told everything: let the sink (which may hold this handle) go
         sink.done(error)
 
     # -- accounting ---------------------------------------------------------------------
