@@ -359,12 +359,16 @@ def replay(
     out: Annotated[Path | None, typer.Option(help="Write the JSON report here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    requests_csv: Annotated[Path | None, typer.Option(
+        help="Full mode: write one CSV row per request here as it finishes.")] = None,
 ) -> None:
     """Replay a request trace through kvflow on the simulated memory hierarchy (or a GPU)."""
     from kvflow.replay import ReplayConfig, run_replay
 
     if out is not None and out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite")
+    if requests_csv is not None and requests_csv.exists() and not force:
+        fail(f"{requests_csv} exists; pass --force to overwrite")
     console = Console(stderr=as_json)
     with user_errors(KvflowError):
         options: dict[str, Any] = dict(
@@ -394,7 +398,8 @@ def replay(
             task = bar.add_task("replay", total=None)
             report = run_replay(
                 cfg, progress=lambda done, total: bar.update(task, completed=done,
-                                                             total=total))
+                                                             total=total),
+                requests_csv=requests_csv)
     if report["requests"] == 0 and report["rejected"]:
         fail(f"all {report['rejected']} requests were rejected: each needs more device blocks "
              f"than the {report['config']['device_blocks']} given")

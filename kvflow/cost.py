@@ -185,8 +185,14 @@ class CostModel:
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
     ) -> float:
         """Time of one layer over the batch: the larger of its compute and memory times."""
-        tokens = len(decode_contexts)
-        pairs = sum(decode_contexts) if tokens else 0
+        return self.layer_time_sums(prefill, len(decode_contexts), sum(decode_contexts))
+
+    def layer_time_sums(self, prefill: Sequence[tuple[int, int]], decode_count: int,
+                        decode_context_sum: int) -> float:
+        """``layer_time`` from the decoding sequences' number and context sum, bit for bit
+        (an engine keeping running sums does not list every sequence each step)."""
+        tokens = decode_count
+        pairs = decode_context_sum if tokens else 0
         kv = pairs
         for new, ctx in prefill:
             tokens += new
@@ -206,10 +212,15 @@ class CostModel:
         self, prefill: Sequence[tuple[int, int]], decode_contexts: Sequence[int]
     ) -> float:
         """One engine step: ``num_layers * layer_time`` plus the host's share (0 if empty)."""
-        t = self.layer_time(prefill, decode_contexts)
+        return self.step_time_sums(prefill, len(decode_contexts), sum(decode_contexts))
+
+    def step_time_sums(self, prefill: Sequence[tuple[int, int]], decode_count: int,
+                       decode_context_sum: int) -> float:
+        """``step_time`` from the decoding sequences' number and context sum, bit for bit."""
+        t = self.layer_time_sums(prefill, decode_count, decode_context_sum)
         if t <= 0:
             return 0.0
-        seqs = len(prefill) + len(decode_contexts)
+        seqs = len(prefill) + decode_count
         return (self.num_layers * t + self._overhead + self._overhead_per_seq * seqs
                 + self._overhead_per_prefill * len(prefill))
 

@@ -12,6 +12,15 @@ device-side waits. The engine itself never blocks on a layer.
 A load that fails or is cut short never yields wrong data: the manager hands
 the blocks to the request to recompute, and the engine moves the request's
 prefill start back to the first such block.
+
+A step costs O(what changes), not O(running requests): requests are kept by
+state (waiting, prefilling, decoding); decoding requests all gain a token per
+step, so their token counts are one shared step counter plus a base each, the
+batch's decode size and context sum are running sums, and the ones that finish
+come off a heap ordered by the step they finish in. A run of pure decode steps
+(``MultiStepExecutor``) is one sleep up to the next finish or arrival. An
+executor that computes real data (``per_request`` true, the default) still gets
+each request's context and state in the batch.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import Protocol
 
 from kvflow.errors import ConfigError, NotEnoughBlocks, TransferError
@@ -59,7 +69,9 @@ class StepBatch:
     """One step's work: prefill chunks and decode tokens.
 
     ``prefill`` items are ``(new_tokens, context_tokens_before)``; ``decode``
-    items are the context lengths of the decoding requests.
+    items are the context lengths of the decoding requests. ``decode_count`` and
+    ``decode_context_sum`` are their number and sum (from ``decode`` when not
+    given); an executor with ``per_request = False`` gets only these, not the list.
     """
 
     prefill: list[tuple[int, int]] = field(default_factory=list)
@@ -68,10 +80,17 @@ class StepBatch:
     #: ``decode`` and ``prefill``. An executor that computes real data (the GPU
     #: one) reads block tables and tokens from these; the simulated one ignores them.
     requests: list[RequestState] = field(default_factory=list)
+    decode_count: int = -1
+    decode_context_sum: int = 0
+
+    def __post_init__(self) -> None:
+        if self.decode_count < 0:
+            self.decode_count = len(self.decode)
+            self.decode_context_sum = sum(self.decode)
 
     @property
     def tokens(self) -> int:
-        return sum(n for n, _ in self.prefill) + len(self.decode)
+        return sum(n for n, _ in self.prefill) + self.decode_count
 
 
 class ComputeExecutor(Protocol):
@@ -89,9 +108,10 @@ class ComputeExecutor(Protocol):
 class MultiStepExecutor(ComputeExecutor, Protocol):
     """An executor that can run several pure-decode steps as one (the simulator)."""
 
-    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
+    async def run_decode_steps(self, count: int, context_sum: int, max_steps: int,
                                until: float | None) -> int:
-        """Run up to ``max_steps`` decode steps, the i-th with contexts + i.
+        """Run up to ``max_steps`` decode steps of ``count`` sequences whose contexts sum
+        to ``context_sum`` in the first (and grow by one each a step).
 
         Stops after the step that ends at or past ``until`` (loop time), always
         running at least one; returns how many ran.
@@ -116,6 +136,8 @@ class RequestState:
     held: bool = False              # held back from outside (kvflow.pd: its KV is on its way)
     waited: bool = False            # its loads have been waited for by a step
     prefilled: int = 0              # prompt tokens whose KV exists
+    #: Output tokens so far; while decoding, brought up to date when the request
+    #: finishes or a per-request batch lists it (the engine counts steps instead).
     generated: int = 0
     admit_s: float = 0.0
     first_token_s: float | None = None
@@ -128,6 +150,9 @@ class RequestState:
     origin: RequestState | None = None
     layer_ends: list[float] | None = None
     decode_from_s: float | None = None
+    seq: int = field(default=0, repr=False)       # admission order (running order)
+    computing0: int = field(default=0, repr=False)  # len(plan.computing) when planned
+    dstep0: int = field(default=0, repr=False)    # decode step count at its first token
 
 
 @dataclass
@@ -150,7 +175,9 @@ class Engine(HandoverMixin):
     """
 
     def __init__(self, manager: CacheManager, runtime: Runtime, executor: ComputeExecutor,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, keep_done: bool = True) -> None:
+        """``keep_done``: keep every request that left in ``done`` (a replay folds them
+        into its report through ``on_finish`` instead, and keeps nothing)."""
         self.manager = manager
         self.runtime = runtime
         self.executor = executor
@@ -162,9 +189,22 @@ class Engine(HandoverMixin):
         #: (uvloop's counts whole milliseconds).
         self.clock: Callable[[], float] = self.loop.time
         self.waiting: deque[RequestState] = deque()
-        self.running: list[RequestState] = []
+        #: Admitted requests in admission order (a dict used as an ordered set).
+        self.running: dict[RequestState, None] = {}
         self.done: list[RequestState] = []
+        self._keep_done = keep_done
         self.stats = EngineStats()
+        # Running requests by state: prefilling (in running order) and decoding. Every
+        # decoding request gains one token per step (when the batch holds them all), so
+        # its count is 1 + _dstep - st.dstep0; _dec_base keeps the context sum's part
+        # that does not move: sum(input_len + 1 - dstep0).
+        self._prefilling: dict[RequestState, None] = {}
+        self._decoding: dict[RequestState, None] = {}
+        self._dstep = 0
+        self._dec_base = 0
+        self._finishing: list[tuple[int, int, RequestState]] = []  # (step it ends, seq, st)
+        self._seq = 0
+        self._per_request = getattr(executor, "per_request", True) is not False
         self._wake = asyncio.Event()
         self._closed = False
         # Wakes the loop when a transfer lands while the head of the queue waits for one.
@@ -186,6 +226,7 @@ class Engine(HandoverMixin):
         self.on_last_chunk: Callable[[RequestState], None] | None = None
         self.holding: list[RequestState] = []
         self._fast_forwarding = False
+        self._joining: list[RequestState] = []  # received requests to decode from next step
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
         self.next_arrival: Callable[[], float | None] | None = None
@@ -199,9 +240,7 @@ class Engine(HandoverMixin):
         if blocks > self._max_blocks:
             st.error = f"needs {blocks} device blocks, the device has {self._max_blocks}"
             self.stats.rejected += 1
-            self.done.append(st)
-            if self.on_finish is not None:
-                self.on_finish(st)
+            self._left(st)
             return st
         self.waiting.append(st)
         # Storage reads start now, not at admission: they overlap the queueing.
@@ -229,14 +268,13 @@ class Engine(HandoverMixin):
         stays indexed). For a request whose KV was to come from elsewhere and did not."""
         if st not in self.running or st.first_token_s is not None:
             raise ValueError(f"request {st.req.request_id!r} is not running before its first token")
-        self.running.remove(st)
+        del self.running[st]
+        self._prefilling.pop(st, None)
         if st.plan is not None:
             self.runtime.submit_all(self.manager.finish(st.plan))
         st.error = reason
         self.stats.aborted += 1
-        self.done.append(st)
-        if self.on_finish is not None:
-            self.on_finish(st)
+        self._left(st)
         self._wake.set()
 
     @property
@@ -253,14 +291,14 @@ class Engine(HandoverMixin):
         while True:
             self._admit()
             batch, members, waits = self._schedule()
-            if not members:
+            if not members and not batch.decode_count:
                 if self._closed and not self.waiting and not self.running and not self.holding:
                     break
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             if not batch.prefill and not waits and self._can_fast_forward():
-                await self._decode_steps(batch, members)
+                await self._decode_steps(batch)
                 continue
             self.stats.steps += 1
             try:
@@ -277,25 +315,23 @@ class Engine(HandoverMixin):
         (none waits for a prefetch) and arrivals are known in advance."""
         return (self.next_arrival is not None
                 and hasattr(self.executor, "run_decode_steps")
-                # A received request waiting for its KV cuts the run short as it lands.
-                and all(st.first_token_s is not None or st.origin is not None
-                        for st in self.running))
+                # A received request waiting for its KV cuts the run short as it lands
+                # (it is neither prefilling nor decoding until then).
+                and not self._prefilling)
 
-    async def _decode_steps(self, batch: StepBatch,
-                            members: list[tuple[RequestState, int]]) -> None:
+    async def _decode_steps(self, batch: StepBatch) -> None:
         """Run decode steps up to the next finish or arrival, whichever is first."""
-        max_steps = min(max(1, st.req.output_len) - st.generated for st, _ in members)
+        max_steps = self._finishing[0][0] - self._dstep
         until = self.next_arrival() if self.next_arrival is not None else None
         self._fast_forwarding = True
         try:
             ran = await self.executor.run_decode_steps(  # type: ignore[attr-defined]
-                batch.decode, max_steps, until)
+                batch.decode_count, batch.decode_context_sum, max_steps, until)
         finally:
             self._fast_forwarding = False
         self.stats.steps += ran
-        for st, _ in members:
-            st.generated += ran - 1
-        self._advance(members)
+        self._dstep += ran
+        self._finish_decoders(self.clock())
 
     # -- admission -----------------------------------------------------------------------
     def _admit(self) -> None:
@@ -330,9 +366,7 @@ class Engine(HandoverMixin):
                 self.waiting.popleft()
                 st.error = "does not fit on the device even with every other block evicted"
                 self.stats.rejected += 1
-                self.done.append(st)
-                if self.on_finish is not None:
-                    self.on_finish(st)
+                self._left(st)
                 continue
             self.runtime.submit_all(self._take_detached())
             self.waiting.popleft()
@@ -343,6 +377,7 @@ class Engine(HandoverMixin):
             if st.origin is not None:
                 self._admit_received(st)
                 continue
+            st.computing0 = len(plan.computing)
             st.admit_s = self.clock()
             st.hits = self._served_from(st, plan.num_cached)
             st.prefilled = min(req.input_len, plan.num_cached * self.config.block_tokens)
@@ -362,7 +397,10 @@ class Engine(HandoverMixin):
             new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
             st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
             self.stats.admitted += 1
-            self.running.append(st)
+            self._seq += 1
+            st.seq = self._seq
+            self.running[st] = None
+            self._prefilling[st] = None
             if self.prefetch_policy.name == "timeout" and any(
                     not t.finished for t in st.prefetch):
                 self.loop.create_task(self._settle_prefetch(st))
@@ -435,22 +473,24 @@ class Engine(HandoverMixin):
 
     # -- scheduling -----------------------------------------------------------------------
     def _schedule(self) -> tuple[StepBatch, list[tuple[RequestState, int]], list[TransferTask]]:
-        """Decodes first (one token each), then prefill chunks within the budget."""
+        """Decodes first (one token each), then prefill chunks within the budget.
+
+        Every decoding request is in every step: a prefill chunk is at least one
+        token, so a step adds at most as many decoders as the budget has left
+        after the decodes, and there are never more decoders than tokens.
+        Returns the batch, the prefill members and the loads to wait for.
+        """
         batch = StepBatch()
         members: list[tuple[RequestState, int]] = []
         waits: list[TransferTask] = []
         budget = self.config.max_batch_tokens
-        prefilling: list[RequestState] = []
-        for st in self.running:
-            if st.first_token_s is not None:
-                if budget <= 0:
-                    break
-                batch.decode.append(st.req.input_len + st.generated)
-                members.append((st, 1))
-                budget -= 1
-            elif st.ready and not st.held:
-                prefilling.append(st)
-        for st in prefilling:
+        self._join_decoders()
+        n_dec = len(self._decoding)
+        assert n_dec <= budget, (n_dec, budget)
+        batch.decode_count = n_dec
+        batch.decode_context_sum = self._dec_base + n_dec * self._dstep
+        budget -= n_dec
+        for st in [st for st in self._prefilling if st.ready and not st.held]:
             if budget <= 0:
                 break
             if not st.waited:
@@ -467,7 +507,12 @@ class Engine(HandoverMixin):
             batch.prefill.append((n, context))
             members.append((st, n))
             budget -= n
-        batch.requests = [st for st, _ in members]
+        if self._per_request:
+            decoders = [st for st in self.running if st in self._decoding]
+            for st in decoders:
+                st.generated = self._generated(st)
+            batch.decode = [st.req.input_len + st.generated for st in decoders]
+            batch.requests = decoders + [st for st, _ in members]
         return batch, members, waits
 
     def _replan_if_lost(self, st: RequestState) -> bool:
@@ -482,7 +527,7 @@ class Engine(HandoverMixin):
             return False
         self.stats.replans += 1
         self.runtime.submit_all(self.manager.finish(plan))
-        self.running.remove(st)
+        del self.running[st], self._prefilling[st]
         st.plan, st.tasks, st.shared, st.prefetch, st.ready = None, [], [], [], False
         self.waiting.appendleft(st)
         return True
@@ -491,7 +536,9 @@ class Engine(HandoverMixin):
         """Move the prefill start back to the first block whose load failed."""
         plan = st.plan
         assert plan is not None
-        if not plan.computing:
+        if len(plan.computing) == st.computing0:
+            # No load of its failed since it was planned: its computing blocks are the
+            # ones it was given, from the end of its cached prefix (as admission set it).
             return
         position = {id(n): i for i, n in enumerate(plan.nodes)}
         redo = [position[id(n)] for n in plan.computing if id(n) in position]
@@ -537,26 +584,67 @@ class Engine(HandoverMixin):
     def _advance(self, members: list[tuple[RequestState, int]]) -> None:
         now = self.clock()
         manager = self.manager
+        self._dstep += 1  # every decoding request was in the step
+        self._finish_decoders(now)
         for st, n in members:
-            if st.first_token_s is None:
-                st.waited = True
-                st.prefilled = min(st.req.input_len, st.prefilled + n)
-                if st.prefilled >= st.req.input_len:
-                    manager.commit(st.plan)  # type: ignore[arg-type]
-                    st.first_token_s = now
-                    st.generated = 1
-                    if self.on_first_token is not None:
-                        self.on_first_token(st)
-                    if self.handover is not None and st.generated < max(1, st.req.output_len):
-                        self._hand_over(st)
-                        continue
-            else:
-                st.generated += 1
-            if st.first_token_s is not None and st.generated >= max(1, st.req.output_len):
-                st.finish_s = now
-                self.runtime.submit_all(manager.finish(st.plan))  # type: ignore[arg-type]
-                self.running.remove(st)
-                self.done.append(st)
-                self.stats.finished += 1
-                if self.on_finish is not None:
-                    self.on_finish(st)
+            st.waited = True
+            st.prefilled = min(st.req.input_len, st.prefilled + n)
+            if st.prefilled < st.req.input_len:
+                continue
+            manager.commit(st.plan)  # type: ignore[arg-type]
+            st.first_token_s = now
+            st.generated = 1
+            del self._prefilling[st]
+            if self.on_first_token is not None:
+                self.on_first_token(st)
+            if st.req.output_len <= 1:
+                self._finish(st, now)
+                continue
+            if self.handover is not None:
+                self._hand_over(st)
+                continue
+            self._start_decode(st)
+
+    def _start_decode(self, st: RequestState) -> None:
+        """``st`` (its first token out, ``generated`` = 1) decodes from the next step."""
+        st.dstep0 = self._dstep
+        self._decoding[st] = None
+        self._dec_base += st.req.input_len + 1 - st.dstep0
+        heappush(self._finishing, (st.dstep0 + st.req.output_len - 1, st.seq, st))
+
+    def _join_decoders(self) -> None:
+        """Received requests whose KV landed join the decoding set here, between steps
+        (one landing during a step or a run of decode steps must not count it)."""
+        joining = self._joining
+        while joining:
+            st = joining.pop(0)
+            if st in self.running:
+                self._start_decode(st)
+
+    def _generated(self, st: RequestState) -> int:
+        """A decoding request's output tokens so far."""
+        return 1 + self._dstep - st.dstep0
+
+    def _finish_decoders(self, now: float) -> None:
+        """Finish the decoding requests that have all their tokens, in running order."""
+        finishing = self._finishing
+        while finishing and finishing[0][0] <= self._dstep:
+            st = heappop(finishing)[2]
+            del self._decoding[st]
+            st.generated = self._generated(st)
+            self._dec_base -= st.req.input_len + 1 - st.dstep0
+            self._finish(st, now)
+
+    def _finish(self, st: RequestState, now: float) -> None:
+        st.finish_s = now
+        self.runtime.submit_all(self.manager.finish(st.plan))  # type: ignore[arg-type]
+        del self.running[st]
+        self.stats.finished += 1
+        self._left(st)
+
+    def _left(self, st: RequestState) -> None:
+        """A request is done (finished, or rejected with ``st.error``)."""
+        if self._keep_done:
+            self.done.append(st)
+        if self.on_finish is not None:
+            self.on_finish(st)

@@ -47,7 +47,7 @@ class HandoverMixin:
         """``st`` has its first token: out of the batch, held until ``release``."""
         ends = getattr(self.executor, "layer_ends", None)
         st.layer_ends = ends() if ends is not None else None
-        self.running.remove(st)
+        del self.running[st]
         self.holding.append(st)
         self.stats.handed_over += 1
         self.handover(st)  # type: ignore[misc]
@@ -57,7 +57,8 @@ class HandoverMixin:
         cached, backed up as the write policy says)."""
         self.holding.remove(st)
         self.runtime.submit_all(self.manager.finish(st.plan))  # type: ignore[arg-type]
-        self.done.append(st)
+        if self._keep_done:
+            self.done.append(st)
         self._wake.set()
 
     # -- decode side ---------------------------------------------------------------------
@@ -70,9 +71,7 @@ class HandoverMixin:
         if blocks > self._max_blocks:
             st.error = f"needs {blocks} device blocks, the device has {self._max_blocks}"
             self.stats.rejected += 1
-            self.done.append(st)
-            if self.on_finish is not None:
-                self.on_finish(st)
+            self._left(st)
             return st
         self.waiting.append(st)
         self._admit()
@@ -90,7 +89,9 @@ class HandoverMixin:
         new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
         st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
         self.stats.admitted += 1
-        self.running.append(st)
+        self._seq += 1
+        st.seq = self._seq
+        self.running[st] = None
         if self.on_admit is not None:
             self.on_admit(st)
 
@@ -123,6 +124,7 @@ class HandoverMixin:
         st.first_token_s = origin.first_token_s
         st.admit_s, st.hits = origin.admit_s, origin.hits
         st.generated = 1
+        self._joining.append(st)  # decodes from the next step (Engine._join_decoders)
         if self._fast_forwarding:  # join the batch at the next step boundary
             self.executor.cut_decode_steps(self.loop.time())  # type: ignore[attr-defined]
         self._wake.set()

@@ -23,6 +23,7 @@ from kvflow.belady import FutureUses
 from kvflow.blocks import BlockPool
 from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError, NotEnoughBlocks
+from kvflow.index_core import NO_INFLIGHT
 from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import (
     ABSENT,
@@ -398,8 +399,11 @@ class CacheManager:
         op = TransferOp(next(self._op_ids), kind, src, dst,
                         [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
                         [n.key for n in nodes], nodes, plan)
-        for n in nodes:
-            set_inflight(n, dst, op)
+        for n in nodes:  # set_inflight, inline (every block of every op comes through here)
+            inflight = n.inflight
+            if inflight is NO_INFLIGHT:
+                n.inflight = inflight = [None, None, None]
+            inflight[dst] = op
         self.inflight[op.op_id] = op
         ops.append(op)
         return op
@@ -609,6 +613,7 @@ class CacheManager:
         if plan.finished:
             raise ValueError(f"plan of request {plan.request_id!r} finished twice")
         plan.finished = True
+        plan.ops = []  # its ops keep it (op.plan) while in flight; it need not keep them
         dev = self.pools[DEVICE]
         if plan.committed:
             self._adopt_private(plan)
@@ -686,8 +691,11 @@ class CacheManager:
             return
         n = len(ids)
         nodes = nodes[:n]  # parents first: a backed-up prefix stays a prefix
-        for node, i in zip(nodes, ids, strict=True):
-            self.index.set_copy(node, dst, i, FILLING)
+        for node, i in zip(nodes, ids, strict=True):  # PrefixIndex.set_copy, inline
+            st = node.state
+            assert st[dst] == ABSENT, (node, dst)
+            node.loc[dst] = i
+            st[dst] = FILLING
         self.stats.backups[src] += n
         self._op(OpKind.BACKUP, src, dst, nodes, ops, None)
 
@@ -708,9 +716,16 @@ class CacheManager:
             landed = []
             # Tail-first, as requests release blocks: parents end up newer than
             # their children in the destination's eviction order.
-            for n in reversed(op.nodes):
-                if n.state[dst] == FILLING and n.inflight[dst] is op:
-                    index.mark_ready(n, dst)
+            insert = index.policies[dst].insert
+            unreferenced = index.unreferenced
+            for n in reversed(op.nodes):  # PrefixIndex.mark_ready, inline
+                st = n.state
+                if st[dst] == FILLING and n.inflight[dst] is op:
+                    st[dst] = READY
+                    n.inflight[dst] = None
+                    insert(n)
+                    if n.ref == 0:
+                        unreferenced[dst] += 1
                     landed.append(n)
             landed.reverse()
             if dst == HOST and self.has_tier(STORAGE) and op.kind in (

@@ -62,20 +62,28 @@ class TransferTask:
     ``LayerSink``: the backend reports progress straight into it.
     """
 
-    __slots__ = ("_done", "_layer_futs", "_poison", "_raw_dependents", "_runtime", "deps",
-                 "error", "handle", "layers_done", "num_layers", "op", "state")
+    __slots__ = ("_clock", "_done", "_layer_futs", "_layers_done", "_poison", "_raw_dependents",
+                 "_runtime", "deps", "error", "handle", "num_layers", "op", "state")
+
+    #: The sink protocol's opt-in (``kvflow.backend.LayerSink``): a backend whose handles
+    #: know their layers' landing times (the simulator's) may report a layer only when
+    #: ``layer(i)`` waits for it; ``layers_done`` then reads the handle.
+    lazy_layers = True
 
     def __init__(self, runtime: Runtime, op: TransferOp, num_layers: int) -> None:
         self._runtime = runtime
         self.op = op
         self.num_layers = num_layers
         self.state = TaskState.RUNNING
-        self.layers_done = 0
+        self._layers_done = 0
+        # The backend handle, where it reports layers lazily (see ``lazy_layers``).
+        self._clock: Any = None
         self.error: BaseException | None = None
         self.handle: object = None
         self.deps: list[TransferTask] = []
-        self._layer_futs: dict[int, asyncio.Future[None]] | None = None
-        self._done: asyncio.Future[None] | None = None
+        # Awaiters' futures, one per call: per layer, and of the whole transfer.
+        self._layer_futs: dict[int, list[asyncio.Future[None]]] | None = None
+        self._done: list[asyncio.Future[None]] | None = None
         self._raw_dependents: list[TransferTask] = []
         # Set when a source this task reads from failed: whatever the backend
         # reports at the end, the bytes written are not valid.
@@ -90,6 +98,14 @@ class TransferTask:
     def blocks(self) -> tuple[list[int], list[int]]:
         """(source ids, destination ids)."""
         return self.op.src_ids, self.op.dst_ids
+
+    @property
+    def layers_done(self) -> int:
+        """Layers landed (and valid) so far."""
+        clock = self._clock
+        if clock is not None and self.state is TaskState.RUNNING and self._poison is None:
+            return clock.layers_reported()
+        return self._layers_done
 
     @property
     def finished(self) -> bool:
@@ -107,34 +123,47 @@ class TransferTask:
 
     # -- awaiting ------------------------------------------------------------------
     def layer(self, i: int) -> asyncio.Future[None]:
-        """A future resolved when layer ``i`` has landed (or failed)."""
+        """A future resolved when layer ``i`` has landed (or failed).
+
+        Each call gets a future of its own: an awaiter that gives up (its
+        ``asyncio.wait_for`` timing out, its task cancelled) cancels only its
+        own, never the transfer or what other awaiters wait on.
+        """
         loop = self._runtime.loop
+        fut = loop.create_future()
         if i < self.layers_done:
-            fut = loop.create_future()
             fut.set_result(None)
             return fut
         if not 0 <= i < self.num_layers:
             raise IndexError(f"layer {i} out of range [0, {self.num_layers})")
         if self.finished:
-            fut = loop.create_future()
             fut.set_exception(self._failure())
             return fut
-        if self._layer_futs is None:
-            self._layer_futs = {}
-        fut = self._layer_futs.get(i)
-        if fut is None:
-            fut = self._layer_futs[i] = loop.create_future()
+        futs = self._layer_futs
+        if futs is None:
+            futs = self._layer_futs = {}
+        waiters = futs.get(i)
+        if waiters is None:
+            futs[i] = [fut]
+            if self._clock is not None and self._poison is None:
+                self._clock.watch(i)
+        else:
+            _append_pruned(waiters, fut)
         return fut
 
     def wait(self) -> asyncio.Future[None]:
-        """A future resolved when the whole transfer has landed (or failed)."""
-        if self._done is None:
-            self._done = self._runtime.loop.create_future()
-            if self.state is TaskState.DONE:
-                self._done.set_result(None)
-            elif self.finished:
-                self._done.set_exception(self._failure())
-        return self._done
+        """A future resolved when the whole transfer has landed (or failed); one per
+        call, like ``layer``."""
+        fut = self._runtime.loop.create_future()
+        if self.state is TaskState.DONE:
+            fut.set_result(None)
+        elif self.finished:
+            fut.set_exception(self._failure())
+        elif self._done is None:
+            self._done = [fut]
+        else:
+            _append_pruned(self._done, fut)
+        return fut
 
     def __await__(self) -> Generator[Any, None, None]:
         return self.wait().__await__()
@@ -142,6 +171,11 @@ class TransferTask:
     def cancel(self, reason: str = "cancelled") -> None:
         """Stop the transfer; its blocks become not resident (recompute)."""
         self._runtime.cancel(self, reason)
+
+    def _set_poison(self, error: BaseException) -> None:
+        """From now on nothing it writes is valid: its layer count stops where it is."""
+        self._layers_done = self.layers_done
+        self._poison = error
 
     def _failure(self) -> TransferError:
         err = self.error
@@ -156,44 +190,57 @@ class TransferTask:
     def layer_done(self, layer: int) -> None:
         if self.finished or self._poison is not None:
             return
-        self.layers_done = layer + 1
+        self._layers_done = layer + 1
         futs = self._layer_futs
         if futs:
             for i in [i for i in futs if i <= layer]:
-                fut = futs.pop(i)
-                if not fut.done():
-                    fut.set_result(None)
+                for fut in futs.pop(i):
+                    if not fut.done():
+                        fut.set_result(None)
 
     def done(self, error: BaseException | None = None) -> None:
         if self.finished:
             return
         if self._poison is not None:
             error = self._poison
+        elif self._clock is not None:
+            self._layers_done = self._clock.layers_reported()
         if error is None:
-            self.layers_done = self.num_layers
+            self._layers_done = self.num_layers
             self.state = TaskState.DONE
         else:
             self.error = error
             self.state = (TaskState.CANCELLED if isinstance(error, asyncio.CancelledError)
                           else TaskState.FAILED)
+        exc = None if error is None else self._failure()
         futs = self._layer_futs
         if futs:
-            exc = None if error is None else self._failure()
-            for fut in futs.values():
-                if not fut.done():
-                    if exc is None:
-                        fut.set_result(None)
-                    else:
-                        fut.set_exception(exc)
-                        fut.exception()  # a layer nobody awaits any more is not an error
+            for waiters in futs.values():
+                _settle(waiters, exc)  # a layer nobody awaits any more is not an error
             self._layer_futs = None
-        if self._done is not None and not self._done.done():
-            if error is None:
-                self._done.set_result(None)
-            else:
-                self._done.set_exception(self._failure())
-                self._done.exception()
+        if self._done is not None:
+            _settle(self._done, exc)
+            self._done = None
         self._runtime._finished(self)
+
+
+def _append_pruned(waiters: list[asyncio.Future[None]], fut: asyncio.Future[None]) -> None:
+    """Add an awaiter's future; drop those whose awaiters gave up, once there are many
+    (a caller polling with short timeouts must not grow the list without bound)."""
+    if len(waiters) >= 16:
+        waiters[:] = [f for f in waiters if not f.done()]
+    waiters.append(fut)
+
+
+def _settle(waiters: list[asyncio.Future[None]], exc: BaseException | None) -> None:
+    for fut in waiters:
+        if fut.done():
+            continue  # its awaiter gave up
+        if exc is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: an awaiter that gave up is not an error
 
 
 @dataclass
@@ -222,9 +269,10 @@ class Runtime:
         self.loop = loop or asyncio.get_running_loop()
         self.metrics = RuntimeMetrics()
         self.tasks: dict[int, TransferTask] = {}  # op id -> task, while in flight
-        # Per tier: block id -> the in-flight task writing it / tasks reading it.
+        # Per tier: block id -> the in-flight task writing it / the task (or, where
+        # several, the list of tasks) reading it.
         self._writer: list[dict[int, TransferTask]] = [{}, {}, {}]
-        self._readers: list[dict[int, list[TransferTask]]] = [{}, {}, {}]
+        self._readers: list[dict[int, TransferTask | list[TransferTask]]] = [{}, {}, {}]
         self._idle: asyncio.Event | None = None
 
     # -- submission -------------------------------------------------------------
@@ -237,21 +285,40 @@ class Runtime:
         deps: dict[int, TransferTask] = {}
         raw: list[TransferTask] = []
         src, dst = op.src_tier, op.dst_tier
+        # (a remote side's blocks are not this runtime's: they order nothing here)
+        src_ids = op.src_ids if op.reads_local else ()
+        dst_ids = op.dst_ids if op.writes_local else ()
         writer_s, writer_d = self._writer[src], self._writer[dst]
         readers_s, readers_d = self._readers[src], self._readers[dst]
-        for b in op.src_ids if op.reads_local else ():
-            w = writer_s.get(b)
-            if w is not None and id(w) not in deps:
-                deps[id(w)] = w
-                raw.append(w)
-            readers_s.setdefault(b, []).append(task)
-        for b in op.dst_ids if op.writes_local else ():
-            w = writer_d.get(b)
-            if w is not None:
-                deps[id(w)] = w
-            for r in readers_d.get(b, ()):
-                deps[id(r)] = r
-            writer_d[b] = task
+        # Most ops touch no block another op in flight touches: then the maps are
+        # updated in bulk; block by block only where they meet (same order as ever).
+        if not writer_s.keys().isdisjoint(src_ids):
+            for b in src_ids:
+                w = writer_s.get(b)
+                if w is not None and id(w) not in deps:
+                    deps[id(w)] = w
+                    raw.append(w)
+        if readers_s.keys().isdisjoint(src_ids):
+            readers_s.update(dict.fromkeys(src_ids, task))
+        else:
+            for b in src_ids:
+                r = readers_s.get(b)
+                if r is None:
+                    readers_s[b] = task
+                elif type(r) is list:
+                    r.append(task)
+                else:
+                    readers_s[b] = [r, task]
+        if not (writer_d.keys().isdisjoint(dst_ids) and readers_d.keys().isdisjoint(dst_ids)):
+            for b in dst_ids:
+                w = writer_d.get(b)
+                if w is not None:
+                    deps[id(w)] = w
+                r = readers_d.get(b)
+                if r is not None:
+                    for x in (r if type(r) is list else (r,)):
+                        deps[id(x)] = x
+        writer_d.update(dict.fromkeys(dst_ids, task))
         task.deps = list(deps.values())
         for w in raw:
             w._raw_dependents.append(task)
@@ -263,7 +330,9 @@ class Runtime:
             m.prefetch["issued"] += 1
         if self._idle is not None:
             self._idle.clear()
-        task.handle = self.backend.submit(op, task, [d.handle for d in task.deps])
+        task.handle = handle = self.backend.submit(op, task, [d.handle for d in task.deps])
+        if getattr(handle, "lazy_layers", False) is True:
+            task._clock = handle
         if deadline is not None and not task.finished:
             self.loop.call_at(deadline, self._expire, task)
         return task
@@ -282,10 +351,15 @@ class Runtime:
         layer by layer, exactly as a transfer would.
         """
         readers = self._readers[tier]
+        ids = block_ids if isinstance(block_ids, (list, tuple)) else list(block_ids)
+        if readers.keys().isdisjoint(ids):
+            return []
         out: dict[int, TransferTask] = {}
-        for b in block_ids:
-            for r in readers.get(b, ()):
-                out[id(r)] = r
+        for b in ids:
+            r = readers.get(b)
+            if r is not None:
+                for x in (r if type(r) is list else (r,)):
+                    out[id(x)] = x
         return list(out.values())
 
     # -- cancellation ---------------------------------------------------------------
@@ -303,7 +377,7 @@ class Runtime:
         if task.finished:
             return
         if task._poison is None:
-            task._poison = asyncio.CancelledError(reason)
+            task._set_poison(asyncio.CancelledError(reason))
         self._fail_readers(task)
         self.backend.cancel(task.handle)
 
@@ -313,9 +387,9 @@ class Runtime:
         for dep in task._raw_dependents:
             if not dep.finished and dep._poison is None:
                 self.metrics.dependency_failures += 1
-                dep._poison = TransferError(
+                dep._set_poison(TransferError(
                     f"{dep.op.kind.value} op {dep.op.op_id}: its source "
-                    f"(op {op.op_id}) did not land")
+                    f"(op {op.op_id}) did not land"))
                 self._fail_readers(dep)
                 self.backend.cancel(dep.handle)
 
@@ -328,15 +402,20 @@ class Runtime:
         op = task.op
         self.tasks.pop(op.op_id, None)
         writer_d = self._writer[op.dst_tier]
+        get = writer_d.get
         for b in op.dst_ids if op.writes_local else ():
-            if writer_d.get(b) is task:
+            if get(b) is task:
                 del writer_d[b]
         readers_s = self._readers[op.src_tier]
+        get = readers_s.get
         for b in op.src_ids if op.reads_local else ():
-            lst = readers_s[b]  # registered in submit, once per source block
-            lst.remove(task)
-            if not lst:
+            r = get(b)  # registered in submit, once per source block
+            if r is task:
                 del readers_s[b]
+            elif type(r) is list:
+                r.remove(task)
+                if len(r) == 1:
+                    readers_s[b] = r[0]
         m = self.metrics
         ok = task.state is TaskState.DONE
         # A peer transfer's bytes are what the peer asked for: kvflow.pd counts them.

@@ -38,7 +38,13 @@ class _DecodeRun:
 
 
 class SimExecutor:
-    """``ComputeExecutor`` of the simulated world."""
+    """``ComputeExecutor`` of the simulated world.
+
+    It needs the decoding sequences' number and context sum only (``per_request``
+    false: the engine keeps those as running sums rather than listing them).
+    """
+
+    per_request = False
 
     def __init__(self, cost: CostModel, num_layers: int) -> None:
         self.cost = cost
@@ -57,13 +63,14 @@ class SimExecutor:
         self._last_batch = batch
         self._last_ends = None
         pending = [t for t in waits if not t.finished or not t.ok]
+        n, ctx = batch.decode_count, batch.decode_context_sum
         if not pending:
-            dt = self.cost.step_time(batch.prefill, batch.decode)
+            dt = self.cost.step_time_sums(batch.prefill, n, ctx)
             self.busy_s += dt
             await asyncio.sleep(dt)
             return
-        per_layer = self.cost.layer_time(batch.prefill, batch.decode)
-        overhead = self.cost.step_time(batch.prefill, batch.decode) - self.num_layers * per_layer
+        per_layer = self.cost.layer_time_sums(batch.prefill, n, ctx)
+        overhead = self.cost.step_time_sums(batch.prefill, n, ctx) - self.num_layers * per_layer
         ends: list[float] = []
         self._last_ends = ends
         for i in range(self.num_layers):
@@ -89,7 +96,8 @@ class SimExecutor:
         batch = self._last_batch
         if batch is None:
             return []
-        per_layer = self.cost.layer_time(batch.prefill, batch.decode)
+        per_layer = self.cost.layer_time_sums(batch.prefill, batch.decode_count,
+                                              batch.decode_context_sum)
         start = self._last_start
         return [start + (i + 1) * per_layer for i in range(self.num_layers)]
 
@@ -110,11 +118,11 @@ class SimExecutor:
             context_sum += batch  # every context grows by the token just decoded
         return ran, total
 
-    async def run_decode_steps(self, contexts: Sequence[int], max_steps: int,
+    async def run_decode_steps(self, count: int, context_sum: int, max_steps: int,
                                until: float | None) -> int:
         """Several pure-decode steps as one sleep: the sum of their step times."""
         loop = asyncio.get_running_loop()
-        run = _DecodeRun(loop.time(), len(contexts), sum(contexts), max_steps)
+        run = _DecodeRun(loop.time(), count, context_sum, max_steps)
         run.ran, run.total = self._span(run, until)
         run.wake = loop.create_future()
         run.handle = loop.call_at(run.start + run.total, _wake, run.wake)

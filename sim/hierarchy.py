@@ -59,14 +59,17 @@ op stop waiting for it when it ends. Injected failures (``fail=`` or
 ``inject_failure``) end an op with ``TransferError`` after a given number of
 landed layers (see ``SimBackend``).
 
-**Cost.** One simpy queue entry per unit; the link object itself is the
-event it schedules (one unit in service per link), so a unit allocates
-nothing but the heap entry. ``python -m sim.hierarchy`` measures ops/s.
+**Cost.** One simpy event per op, not one per layer: a link computes every
+unit's times when the op starts service and recomputes them only when an
+input changes (``sim.links`` says how, and how simultaneous events are
+ordered). A sink that awaits individual layers asks for them
+(``lazy_layers``); others are told every layer. ``python -m sim.hierarchy``
+measures ops/s.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from heapq import heappush
@@ -81,6 +84,7 @@ from kvflow.manager import TransferOp
 from kvflow.profile import LINKS, Link
 from kvflow.radix import Tier
 from kvflow.runtime import LINKS as ROUTES  # (src tier, dst tier) -> link name
+from sim.links import Server, SimTransfer, _Tick, replan
 
 if TYPE_CHECKING:
     from kvflow.profile import GpuProfile
@@ -136,235 +140,16 @@ def _route(src: int, dst: int, op: TransferOp | None) -> str:
         ) from None
 
 
-class SimTransfer:
-    """Handle of one op submitted to a ``SimBackend`` (what ``after`` and ``cancel`` take).
-
-    Read-only for callers: ``layers_landed``, ``land_times`` (virtual time
-    each layer landed, in order), ``finished``, ``cancelled``, ``error``,
-    ``submitted_at``, ``finished_at``, ``link`` (its link's name).
-    """
-
-    __slots__ = (
-        "_backend", "_server", "busy", "cancelled", "deps", "dur", "error", "fail_after",
-        "finished", "finished_at", "first_unit", "land_times", "layers_landed", "link",
-        "nbytes", "op", "shared_unit", "sink", "submitted_at", "unit", "waiters",
-    )
-
-    def __init__(self, backend: SimBackend, server: _Server, op: TransferOp, sink: Any,
-                 deps: tuple[SimTransfer, ...], nbytes: int, now: float,
-                 fail_after: int) -> None:
-        self._backend = backend
-        self._server = server
-        self.op = op
-        self.sink = sink
-        self.link = server.name
-        self.deps = deps
-        self.nbytes = nbytes
-        link = server.link
-        self.dur = nbytes / link.bandwidth_Bps
-        self.unit = link.latency_s + self.dur
-        #: A unit started while the opposite PCIe direction is busy (see ``Hierarchy.duplex``).
-        self.shared_unit = link.latency_s + self.dur / server.duplex
-        #: How long the first unit took (service time runs from its start).
-        self.first_unit = self.unit
-        self.busy = self.dur if link.overlap_latency else self.unit
-        self.layers_landed = 0
-        self.land_times: list[float] = []
-        self.submitted_at = now
-        self.finished = False
-        self.finished_at: float | None = None
-        self.cancelled = False
-        self.error: BaseException | None = None
-        self.fail_after = fail_after
-        self.waiters: list[tuple[int, _Server]] = []
-
-    def __repr__(self) -> str:
-        state = "finished" if self.finished else "running"
-        return (f"<SimTransfer op={self.op.op_id} {self.op.kind.value} {self.link} "
-                f"{self.layers_landed} layers landed, {state}>")
-
-
-class _Call:
-    """A bare simpy event (what ``Environment.step`` needs, nothing more) that runs ``fn``."""
-
-    __slots__ = ("_ok", "callbacks")
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._ok = True
-        self.callbacks = [lambda _ev: fn()]
-
-
-class _Server:
-    """The FIFO server of one link. It is itself the simpy event of its unit in service."""
-
-    __slots__ = (
-        "_cbs", "_ok", "backend", "blocked", "busy_s", "bytes", "callbacks", "cancelled",
-        "completed", "current", "duplex", "env", "failed", "link", "name", "num_layers", "ops",
-        "overlap", "partner", "queue",
-    )
-
-    def __init__(self, backend: SimBackend, name: str, link: Link) -> None:
-        self.backend = backend
-        self.env = backend.env
-        self.name = name
-        self.link = link
-        self.overlap = link.overlap_latency
-        #: The opposite PCIe direction (set by the backend) and the bandwidth share
-        #: a unit gets while that one is busy.
-        self.partner: _Server | None = None
-        self.duplex = backend.hierarchy.duplex if name in ("h2d", "d2h") else 1.0
-        self.num_layers = backend.num_layers
-        self.queue: deque[SimTransfer] = deque()
-        self.current: SimTransfer | None = None
-        self.blocked = False
-        self._ok = True
-        self._cbs = [self._complete]
-        self.callbacks: list[Callable[[Any], None]] | None = None
-        self.bytes = 0
-        self.busy_s = 0.0
-        self.ops = 0
-        self.completed = 0
-        self.failed = 0
-        self.cancelled = 0
-
-    def kick(self) -> None:
-        """Start the head unit if the link is idle and the unit's ``after`` layers have landed.
-
-        Never calls a sink (it runs inside ``submit`` and ``cancel``).
-        """
-        if self.current is not None:
-            return
-        self.blocked = False
-        queue = self.queue
-        env = self.env
-        while queue:
-            h = queue[0]
-            if h.finished:  # cancelled while queued
-                queue.popleft()
-                continue
-            i = h.layers_landed
-            if i == h.fail_after:  # injected failure before this unit
-                queue.popleft()
-                self.backend._abort(h, self._fail_error(h), cancelled=False)
-                continue
-            issued = h.submitted_at
-            for d in h.deps:
-                if d.layers_landed > i:
-                    t = d.land_times[i]
-                elif d.finished:
-                    t = d.finished_at  # type: ignore[assignment]
-                else:
-                    d.waiters.append((i, self))
-                    self.blocked = True
-                    return
-                if t > issued:
-                    issued = t
-            now = env._now
-            if self.overlap:
-                start = issued + self.link.latency_s
-                when = (start if start > now else now) + h.dur
-            else:
-                when = now + self._unit_time(h)
-                if i == 0:
-                    h.first_unit = when - now
-            self.current = h
-            self.callbacks = self._cbs
-            heappush(env._queue, (when, NORMAL, next(env._eid), self))
-            return
-
-    def _unit_time(self, h: SimTransfer) -> float:
-        """A PCIe unit's time: slower while the opposite direction has one on the wire."""
-        p = self.partner
-        if p is None or p.current is None:
-            return h.unit
-        self.busy_s += h.shared_unit - h.unit  # (``_complete`` adds the unit's own ``busy``)
-        return h.shared_unit
-
-    def _complete(self, _event: object) -> None:
-        """The unit in service has landed: account, start the next, then report."""
-        h = self.current
-        assert h is not None
-        env = self.env
-        now = env._now
-        self.bytes += h.nbytes
-        self.busy_s += h.busy
-        i = h.layers_landed
-        h.layers_landed = i + 1
-        h.land_times.append(now)
-        if i + 1 < self.num_layers and not h.deps and not h.cancelled and i + 1 != h.fail_after:
-            # Fast path (most units): the same op's next layer goes on the wire now.
-            if self.overlap:
-                start = h.submitted_at + self.link.latency_s
-                when = (start if start > now else now) + h.dur
-            else:  # (the common case inline: ~10^6 units per replay come through here)
-                p = self.partner
-                when = now + (h.unit if p is None or p.current is None else self._unit_time(h))
-            self.callbacks = self._cbs
-            heappush(env._queue, (when, NORMAL, next(env._eid), self))
-            if h.waiters:
-                _wake(h)
-            h.sink.layer_done(i)
-            return
-        self.current = None
-        report = True
-        done = False
-        if h.cancelled:
-            report = False
-            done = True
-            h.error = self.backend._cancel_error(h)
-            self.cancelled += 1
-            self.backend.cancelled += 1
-        elif i + 1 == self.num_layers:
-            done = True
-            self.completed += 1
-        elif i + 1 == h.fail_after:
-            done = True
-            h.error = self._fail_error(h)
-            self.failed += 1
-            self.backend.failed += 1
-        if done:
-            h.finished = True
-            h.finished_at = now
-            h.deps = ()  # let finished predecessors go (a long chain would pin them all)
-            self.queue.popleft()
-            self.backend._inflight -= 1
-        self.kick()
-        if h.waiters:
-            _wake(h)
-        sink = h.sink
-        if report:
-            sink.layer_done(i)
-        if done:
-            sink.done(h.error)
-
-    def _fail_error(self, h: SimTransfer) -> TransferError:
-        op = h.op
-        return TransferError(
-            f"injected failure: op {op.op_id} ({op.kind.value}, "
-            f"{Tier(op.src_tier).name.lower()} -> {Tier(op.dst_tier).name.lower()}) failed "
-            f"after {h.layers_landed} of {self.num_layers} layers"
-        )
-
-
-def _wake(h: SimTransfer) -> None:
-    """Kick the links waiting on a layer of ``h`` that has now landed (or on ``h`` ending)."""
-    waiters = h.waiters
-    h.waiters = []
-    landed = h.layers_landed
-    done = h.finished
-    for layer, server in waiters:
-        if done or layer < landed:
-            server.kick()
-        else:
-            h.waiters.append((layer, server))
-
-
 class SimBackend:
     """``kvflow.backend.TransferBackend`` on a simulated hierarchy, in simpy virtual time.
 
     Each op moves ``op.num_blocks * spec.bytes_per_layer_block`` bytes per
-    layer over the link its tiers pick (``ROUTES``); ``sink.layer_done(i)`` is
-    called at the virtual time layer i lands, in order, then ``sink.done(None)``.
+    layer over the link its tiers pick (``ROUTES``). A sink is told
+    ``layer_done(i)`` at the virtual time layer i lands, in order, then
+    ``done(None)``; a sink that sets ``lazy_layers = True`` is told a layer only
+    when it asks (``SimTransfer.watch``) and reads the rest from the handle
+    (``SimTransfer.layers_reported``), so an op costs one simpy event, not one
+    per layer (``sim.links``).
 
     Failure injection: ``fail(op)`` is asked once per op at submit. ``None`` or
     ``False``: the op runs normally. ``True``: it fails after its first layer
@@ -390,8 +175,13 @@ class SimBackend:
         self.hierarchy = hierarchy
         self.num_layers: int = spec.num_layers
         self._bytes_per_layer_block = spec.bytes_per_layer_block
-        self._servers = {name: _Server(self, name, getattr(hierarchy, name)) for name in LINKS}
-        if hierarchy.duplex < 1.0:
+        duplex = hierarchy.duplex
+        self._servers = {
+            name: Server(self, name, getattr(hierarchy, name),
+                         duplex if name in ("h2d", "d2h") else 1.0)
+            for name in LINKS
+        }
+        if duplex < 1.0:
             h2d, d2h = self._servers["h2d"], self._servers["d2h"]
             h2d.partner, d2h.partner = d2h, h2d
         self._routes = {key: self._servers[name] for key, name in ROUTES.items()}
@@ -403,6 +193,8 @@ class SimBackend:
         #: the earliest time an op's data may be issued (its ``submitted_at``); a pool shared
         #: with other backends limits them all this way. None: issued at submit.
         self.admit: Callable[[TransferOp, float, float], float] | None = None
+        #: The op whose end is being processed (``sim.links.Server._end``).
+        self._ending: SimTransfer | None = None
 
     def inject_failure(self, predicate: Callable[[TransferOp], bool | int | None] | None) -> None:
         """Set (or with ``None`` clear) the failure predicate for ops submitted from now on."""
@@ -430,7 +222,7 @@ class SimBackend:
                     raise TypeError(
                         f"op {op.op_id}: 'after' holds {d!r}, not a handle of this SimBackend"
                     )
-            deps = tuple(d for d in after if not d.finished)
+            deps = tuple(d for d in after if not d.finished)  # type: ignore[union-attr]
         fail_after = -1
         if self._fail is not None:
             k = self._fail(op)
@@ -448,11 +240,17 @@ class SimBackend:
         if self.admit is not None:
             now = self.admit(op, nbytes * self.num_layers, now)
         h = SimTransfer(self, server, op, sink, deps, nbytes, now, fail_after)
+        for d in deps:
+            d.dependents.append(h)
         server.ops += 1
         self._inflight += 1
         server.queue.append(h)
         if server.current is None and not server.blocked:
             server.kick()
+        elif server.partner is not None and server.partner.current is not None:
+            # whether this link goes on at its current op's end decides how fast the
+            # other way's units starting at that instant run
+            replan([server.partner.current], self.env._now)
         return h
 
     def cancel(self, handle: object) -> None:
@@ -467,8 +265,26 @@ class SimBackend:
         if handle.finished or handle.cancelled:
             return
         handle.cancelled = True
-        if handle._server.current is handle:
-            return  # ends when its unit in service lands
+        server = handle._server
+        if server.current is handle:
+            now = self.env._now
+            k = bisect_right(handle._starts, now) - 1
+            if k >= 0 and handle._lands[k] > now:
+                # Unit k is on the wire: it is the op's last, and goes unreported.
+                del handle._lands[k + 1:], handle._starts[k + 1:]
+                if handle._shared is not None:
+                    del handle._shared[k + 1:]
+                handle._n = k + 1
+                handle._report_limit = k
+                server.reschedule(handle)
+                roots = [d for d in handle.dependents
+                         if not d.finished and d._server.current is d]
+                p = server.partner
+                if p is not None and p.current is not None:
+                    roots.append(p.current)
+                if roots:
+                    replan(roots, now)
+                return
         self._abort(handle, self._cancel_error(handle), cancelled=True)
 
     # ------------------------------------------------------------------ metrics
@@ -478,6 +294,8 @@ class SimBackend:
         now = self.env._now
         out: dict[str, Any] = {}
         for name, s in self._servers.items():
+            if s.current is not None:
+                s.account(s.current, now)
             out[name] = {
                 "bytes": s.bytes,
                 "busy_s": s.busy_s,
@@ -501,27 +319,53 @@ class SimBackend:
 
     def _abort(self, h: SimTransfer, error: TransferError, cancelled: bool) -> None:
         """End an op that has no unit in service; report from a simpy event at this time."""
+        env = self.env
+        now = env._now
+        server = h._server
+        roots: list[SimTransfer] = []
+        if server.current is h:  # waiting on an 'after' op between (or before) its units
+            server.account(h, now)
+            m = bisect_right(h._starts, now)
+            del h._lands[m:], h._starts[m:]
+            if h._shared is not None:
+                del h._shared[m:]
+            if not m:
+                h.first_unit = h.unit  # planned, never started
+            server.current = None
+            server.blocked = True  # the report starts the next op, as for a queued one
+        p = server.partner
+        if p is not None and p.current is not None:
+            roots.append(p.current)  # this link's busy time or its queue changed
         h.finished = True
-        h.finished_at = self.env._now
+        h.finished_at = now
         h.error = error
         h.deps = ()
+        if h._tick is not None:
+            h._tick.callbacks = []
+            h._tick = None
         self._inflight -= 1
-        server = h._server
         if cancelled:
             server.cancelled += 1
             self.cancelled += 1
         else:
             server.failed += 1
             self.failed += 1
+        roots += [d for d in h.dependents if not d.finished and d._server.current is d]
+        h.dependents = []
+        if roots:
+            replan(roots, now)
 
-        def report() -> None:
+        def report(_event: object) -> None:
             server.kick()  # it may have been the head, or blocked behind a dep of it
-            if h.waiters:
-                _wake(h)
-            h.sink.done(error)
+            sink = h.sink
+            if not h._lazy:  # layers that landed the instant it was cancelled
+                for j in range(h._next_report, len(h._lands)):
+                    h._next_report = j + 1
+                    sink.layer_done(j)
+            h.sink = None  # told everything: let the sink (which may hold this handle) go
+            sink.done(error)
 
-        env = self.env
-        heappush(env._queue, (env._now, NORMAL, next(env._eid), _Call(report)))
+        heappush(env._queue, (now, NORMAL, next(env._eid), _Tick(report, None)))
 
 
 # ------------------------------------------------------------------ benchmark

@@ -38,6 +38,9 @@ def sim_service_s(handle: Any) -> float | None:
 class SimSite:
     """The simulated world, started on a ``VirtualTimeLoop``."""
 
+    #: Its report reads no per-op records: the replay keeps only their columns.
+    keep_transfer_records = False
+
     def __init__(self, loop: asyncio.AbstractEventLoop, setup: WorldSetup) -> None:
         self._loop = loop
         spec = setup.spec

@@ -11,6 +11,7 @@ import simpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import sim.world
 from kvflow.cluster.pool import GlobalPool, PoolDirectory, PoolGate, PoolViewManager
 from kvflow.cost import CostModel
 from kvflow.errors import ConfigError
@@ -241,7 +242,9 @@ def _publish_time() -> tuple[float, float]:
     return t, prefill
 
 
-def test_a_block_in_the_pool_is_a_hit_for_another_instance_only_after_the_write(tmp_path):
+def test_a_block_in_the_pool_is_a_hit_for_another_instance_only_after_the_write(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(sim.world.SimSite, "keep_transfer_records", True)  # read below
     published, prefill = _publish_time()
     logs = []
 

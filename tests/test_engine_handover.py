@@ -48,8 +48,8 @@ def test_handover_holds_then_decodes_elsewhere() -> None:
 
         def last_chunk(st: RequestState) -> None:
             seen["decode"] = dec.receive(st.req, st)
-            seen["allocated"] = len(dec.running) == 1 and dec.running[0].held
-            seen["missing"] = dec.missing_blocks(dec.running[0])
+            seen["allocated"] = len(dec.running) == 1 and next(iter(dec.running)).held
+            seen["missing"] = dec.missing_blocks(next(iter(dec.running)))
 
         pre.on_last_chunk = last_chunk
         runs = [loop.create_task(e.run()) for e in (pre, dec)]

@@ -74,7 +74,11 @@ class Cluster:
         self.engines: list[Engine] = [p.engine for p in parts]
         spec = setup.spec
         requests = setup.requests
-        mean_prompt = (sum(r.input_len for r in requests) / len(requests)) if requests else 0.0
+        # (a replay's Requests keeps every length: no second read of the trace)
+        lengths = getattr(requests, "input_len", None)
+        if lengths is None:
+            lengths = [r.input_len for r in requests]
+        mean_prompt = (sum(lengths) / len(requests)) if len(requests) else 0.0
         predictions: dict[tuple[int, int], Prediction] = {}
 
         def predict_for(profile: GpuProfile, tp: int) -> Prediction:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,7 @@ from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
 from kvflow.profile import GpuProfile, Link, load_profile, tensor_parallel_links
 from kvflow.replay.cluster_file import InstanceGroup, read_cluster_file
+from kvflow.replay.requests import Requests
 from kvflow.world import WORLDS, TierRequest, World, blocks_for_gb, default_capacities
 from traces import Request, open_trace, sample_path
 from traces.reshape import bound, poisson_arrivals, rate_scale
@@ -337,7 +338,8 @@ class Setup:
     spec: ModelSpec
     profile: GpuProfile
     capacities: Capacities
-    requests: list[EngineRequest]
+    #: Read from the trace each pass (``kvflow.replay.requests.Requests``), not held.
+    requests: Sequence[EngineRequest]
     trace_path: str
     skipped: int
     kinds: tuple[tuple[int | None, InstanceSpec], ...] = ()
@@ -396,8 +398,7 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
         source = rate_scale(source, cfg.rate_scale)
     if cfg.duration_s is not None or cfg.limit is not None:
         source = bound(source, duration_s=cfg.duration_s, limit=cfg.limit)
-    requests = [EngineRequest(req.index, req.arrival_s, request_keys(req, hasher),
-                              req.input_len, req.output_len) for req in source]
+    requests = Requests(source, lambda req: request_keys(req, hasher))
     pool_blocks = None
     if cfg.has_pool:
         pool_blocks = cfg.pool_blocks if cfg.pool_blocks is not None else \

@@ -18,15 +18,20 @@ Same inputs and seed give the same report, ``wall_s`` aside.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import time
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
 from kvflow.manager import CacheManager, TransferOp
+from kvflow.replay.aggregate import Finished, RequestsCsv
 from kvflow.replay.config import (
     ReplayConfig,
     Setup,
@@ -45,6 +50,7 @@ from kvflow.replay.report import (
     instance_rows,
     summary,
 )
+from kvflow.replay.requests import numbers
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
 from kvflow.world import Site, World, WorldSetup, load_world
@@ -58,6 +64,7 @@ def run_replay(cfg: ReplayConfig,
                configure_backend: Callable[[Any], None] | None = None,
                inspect: Inspect | None = None,
                timeout_s: float | None = None,
+               requests_csv: str | Path | None = None,
                ) -> dict[str, Any]:
     """Run one replay and return its report (a JSON-ready dict).
 
@@ -66,6 +73,9 @@ def run_replay(cfg: ReplayConfig,
     (fault injection); ``inspect`` sees the manager and runtime after the last
     one (invariant checks); ``timeout_s`` bounds a full replay's run (a
     ``ConfigError`` past it). All are for tests, experiments and calibration.
+    ``requests_csv``: a full replay writes one row per request there as it
+    finishes (``kvflow.replay.aggregate.CSV_COLUMNS``); the report itself keeps
+    only aggregates.
     """
     if configure_backend is not None:
         if cfg.backend != "sim":
@@ -73,12 +83,16 @@ def run_replay(cfg: ReplayConfig,
         if world is None:
             world = load_world("sim", configure_backend=configure_backend)
     t0 = time.perf_counter()
+    if requests_csv is not None and cfg.mode != "full":
+        raise ConfigError("requests_csv: per-request rows come from a full replay only "
+                          f"(mode is {cfg.mode!r})")
     if cfg.mode == "cache":
         if cfg.instances == "auto":
             cfg = dataclasses.replace(cfg, instances=1)
         setup = resolve(cfg)
         manager = make_manager(cfg, setup.capacities, setup)
-        body = _replay_cache(setup, manager, progress)
+        with _few_full_collections():
+            body = _replay_cache(setup, manager, progress)
         if inspect is not None:
             inspect(manager, None)
         return assemble_report(cfg, setup, manager, body, t0)
@@ -89,10 +103,35 @@ def run_replay(cfg: ReplayConfig,
     if auto:
         cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
     manager = make_manager(cfg, setup.capacities, setup)
-    body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect, timeout_s))
+    csv_out = None if requests_csv is None else RequestsCsv(requests_csv)
+    try:
+        with _few_full_collections():
+            body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect,
+                                             timeout_s, csv_out))
+    finally:
+        if csv_out is not None:
+            csv_out.close()
     report = assemble_report(cfg, setup, manager, body, t0)
     report["load"]["instances_auto"] = auto
     return report
+
+
+@contextlib.contextmanager
+def _few_full_collections() -> Iterator[None]:
+    """Run with the cycle collector's full (oldest-generation) passes 100x rarer.
+
+    A replay keeps a large, long-lived heap (the prefix index, the queue of an
+    overloaded trace) and frees what a request used by reference counting (its
+    objects form no cycles), so a full pass finds nearly nothing and costs a walk
+    over the whole heap: at the default threshold they took 5-7% of a replay.
+    The previous thresholds come back afterwards.
+    """
+    before = gc.get_threshold()
+    gc.set_threshold(before[0], before[1], max(before[2], 1000))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
@@ -144,7 +183,8 @@ def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
 async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager, world: World,
                           progress: Callable[[int, int], None] | None = None,
                           inspect: Inspect | None = None,
-                          timeout_s: float | None = None) -> dict[str, Any]:
+                          timeout_s: float | None = None,
+                          csv_out: RequestsCsv | None = None) -> dict[str, Any]:
     """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
     through the router (one instance: ``manager`` is its manager), each on its own
     hardware (``Setup.instance_specs``), sharing a pool where the config has one."""
@@ -164,7 +204,7 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
         if pool is not None:
             pool.attach(managers)
         body = await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,
-                            None if pool is None else pool.tier_hits)
+                            None if pool is None else pool.tier_hits, csv_out)
         if pool is not None:
             body["pool"] = pool.report()
         if "instances" in body:
@@ -179,29 +219,39 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
 async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
                  sites: list[Site], progress: Callable[[int, int], None] | None,
                  inspect: Inspect | None, timeout_s: float | None,
-                 lookup: Callable[..., tuple[int, int, int]] | None = None) -> dict[str, Any]:
+                 lookup: Callable[..., tuple[int, int, int]] | None = None,
+                 csv_out: RequestsCsv | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     site = sites[0]  # the clock and the arrivals' sleeps (all instances share the loop)
     parts: list[Part] = []
     total = len(setup.requests)
     finished = 0
+    start = site.clock()  # the report counts from the first arrival at 0
 
-    def on_progress(_st: Any) -> None:
-        nonlocal finished
-        finished += 1
-        if progress is not None:
-            progress(finished, total)
-
-    for mgr, s in zip(managers, sites, strict=True):
-        log = TransferLog(s.backend, loop, s.service_s)
+    for i, (mgr, s) in enumerate(zip(managers, sites, strict=True)):
+        # Requests are folded into the report as they leave, then let go; per-op
+        # records only where the world reads them (Site.keep_transfer_records).
+        log = TransferLog(s.backend, loop, s.service_s,
+                          keep_records=getattr(s, "keep_transfer_records", True))
         runtime, engine, sampler = wire_engine(cfg, setup, mgr, log, s.executor, loop, None)
         engine.clock = s.clock
-        engine.on_finish = on_progress
-        parts.append(Part(engine, runtime, log, sampler))
+        fin = Finished(start, cfg.sample_interval_s)
+        row = None if csv_out is None else csv_out.writer(i, start)
+
+        def on_finish(st: Any, fin: Finished = fin, row: Any = row) -> None:
+            nonlocal finished
+            fin.add(st)
+            if row is not None:
+                row(st)
+            finished += 1
+            if progress is not None:
+                progress(finished, total)
+
+        engine.on_finish = on_finish
+        parts.append(Part(engine, runtime, log, sampler, fin))
     cluster = Cluster(cfg, setup, parts, lookup) if len(parts) > 1 else None
     engines = [p.engine for p in parts]
-    start = site.clock()
-    arrivals = [start + r.arrival_s for r in setup.requests]
+    arrivals = array("d", [start + a for a in numbers(setup.requests)[0]])
     cursor = 0  # index of the next request to arrive
 
     def next_arrival() -> float | None:
@@ -253,12 +303,6 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
         for p in parts:
             inspect(p.runtime.manager, p.runtime)
     if start != 0.0:  # the report counts from the first arrival at 0
-        for engine in engines:
-            for st in engine.done:
-                for name in ("admit_s", "first_token_s", "finish_s"):
-                    v = getattr(st, name)
-                    if v is not None:
-                        setattr(st, name, v - start)
         for p in parts:
             p.sampler.t = [round(t - start, 6) for t in p.sampler.t]
     body = full_report(setup, parts, end - start, (cfg.slo_ttft_s, cfg.slo_tpot_s))
@@ -287,8 +331,17 @@ def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: Tra
     spec = setup.spec
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
-                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running))
+                    EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running),
+                    # PD's per-instance rows read each engine's finished requests
+                    keep_done=getattr(cfg, "pd", None) is not None)
     if progress is not None:
         total = len(setup.requests)
-        engine.on_finish = lambda st: progress(len(engine.done), total)
+        count = 0
+
+        def on_finish(_st: Any) -> None:
+            nonlocal count
+            count += 1
+            progress(count, total)
+
+        engine.on_finish = on_finish
     return runtime, engine, Sampler(engine, log, executor, cfg.sample_interval_s)

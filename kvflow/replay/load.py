@@ -25,6 +25,7 @@ from kvflow.engine import EngineRequest
 from kvflow.layout import ModelSpec
 from kvflow.manager import Capacities
 from kvflow.profile import GpuProfile
+from kvflow.replay.requests import numbers
 
 #: The queue grew: the last quarter of arrivals waited this many times the first quarter's
 #: mean wait for admission (and at least ``QUEUE_GROWTH_MIN_S``).
@@ -40,11 +41,12 @@ def offered_load(requests: Sequence[EngineRequest]) -> dict[str, Any]:
     if n == 0:
         return {"requests": 0, "span_s": 0.0, "requests_per_s": None,
                 "prompt_tokens_per_s": None, "output_tokens_per_s": None}
-    first = min(r.arrival_s for r in requests)
-    last = max(r.arrival_s for r in requests)
+    arrivals, inputs, outputs = numbers(requests)  # (a streamed trace is not read again)
+    first = min(arrivals)
+    last = max(arrivals)
     span = last - first
-    prompt = sum(r.input_len for r in requests)
-    output = sum(r.output_len for r in requests)
+    prompt = sum(inputs)
+    output = sum(outputs)
     rate = (lambda x: x / span) if span > 0 else (lambda x: None)
     return {"requests": n, "span_s": span, "requests_per_s": rate(n),
             "prompt_tokens_per_s": rate(prompt), "output_tokens_per_s": rate(output),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvflow.engine import Engine, RequestState
+from kvflow.engine import Engine
 from kvflow.headroom import headroom_section
 from kvflow.profile import LINKS
+from kvflow.replay.aggregate import Finished, merged
 from kvflow.replay.load import load_section, pd_utilization, queue_growth, slo_section
-from kvflow.replay.transfer_log import TransferLog, summarize_transfers
+from kvflow.replay.transfer_log import TransferLog, summarize_logs
 from kvflow.runtime import Runtime
 
 if TYPE_CHECKING:
@@ -126,8 +126,8 @@ class Sampler:
 
 
 
-def summary(values: list[float]) -> dict[str, float] | None:
-    if not values:
+def summary(values: Sequence[float]) -> dict[str, float] | None:
+    if not len(values):
         return None
     a = np.asarray(values, dtype=float)
     p50, p90, p99 = np.percentile(a, [50, 90, 99])
@@ -136,12 +136,14 @@ def summary(values: list[float]) -> dict[str, float] | None:
 
 @dataclass
 class Part:
-    """One engine instance's objects, as the report reads them."""
+    """One engine instance's objects, as the report reads them: ``finished`` holds what
+    its finished requests contributed (``kvflow.replay.aggregate``)."""
 
     engine: Engine
     runtime: Runtime
     log: TransferLog
     sampler: Sampler
+    finished: Finished
 
 
 def _sum_dicts(dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -157,31 +159,23 @@ def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
                 slo: tuple[float | None, float | None] = (None, None)) -> dict[str, Any]:
     """The full-mode body over every instance (one, or a cluster's): totals, rates over all
     requests, link use averaged over instances. With one instance it is that instance's."""
-    finished = [st for p in parts for st in p.engine.done if st.finish_s is not None]
-    ttft = [st.first_token_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
-    e2e = [st.finish_s - st.req.arrival_s for st in finished]  # type: ignore[operator]
-    tpot = [(st.finish_s - st.first_token_s) / (st.generated - 1)  # type: ignore[operator]
-            for st in finished if st.generated > 1]
-    hits = [sum(st.hits[t] for st in finished) for t in (0, 1, 2)]
-    blocks = sum(len(st.req.keys) for st in finished)
+    fin = merged([p.finished for p in parts])
+    ttft, tpot = fin.ttft, fin.tpot
     span = sim_time if sim_time > 0 else 1.0
-    out_tokens = sum(st.generated for st in finished)
-    in_tokens = sum(st.req.input_len for st in finished)
     metrics = [p.runtime.metrics for p in parts]
     links = [p.log.metrics() for p in parts]
     n = len(parts)
     busy = [getattr(p.engine.executor, "busy_s", None) for p in parts]
     rejected = sum(p.engine.stats.rejected for p in parts)
-    tpot_or_none = [(st.finish_s - st.first_token_s) / (st.generated - 1)  # type: ignore[operator]
-                    if st.generated > 1 else None for st in finished]
+    count = len(fin)
     body = {
-        "requests": len(finished),
+        "requests": count,
         "rejected": rejected,
-        "hit_rate": hit_rates(hits, blocks),
-        "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(e2e),
-        "throughput": {"requests_per_s": len(finished) / span,
-                       "output_tokens_per_s": out_tokens / span,
-                       "prompt_tokens_per_s": in_tokens / span},
+        "hit_rate": hit_rates(fin.hits, fin.blocks),
+        "ttft_s": summary(ttft), "tpot_s": summary(tpot), "e2e_s": summary(fin.e2e),
+        "throughput": {"requests_per_s": count / span,
+                       "output_tokens_per_s": fin.out_tokens / span,
+                       "prompt_tokens_per_s": fin.in_tokens / span},
         "bytes": _sum_dicts([m.bytes for m in metrics]),
         "link_utilization": {k: sum(min(1.0, ln[k]["busy_s"] / span) for ln in links) / n
                              for k in LINKS},
@@ -193,26 +187,24 @@ def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
                    "replans": sum(p.engine.stats.replans for p in parts)},
         "engine": {"steps": sum(p.engine.stats.steps for p in parts),
                    "compute_busy_s": None if None in busy else sum(busy)},  # type: ignore[arg-type]
-        "transfers": summarize_transfers([r for p in parts for r in p.log.records]),
+        "transfers": summarize_logs([p.log for p in parts]),
         "sim_time_s": sim_time,
-        "timeseries": _series(parts, finished),
+        "timeseries": _series(parts, fin),
         "samples": {"ttft_s": [round(x, 6) for x in ttft],
                     "tpot_s": [round(x, 6) for x in tpot]},
     }
-    body["slo"] = slo_section(ttft, tpot_or_none, rejected, span, *slo)
-    waits = [st.admit_s - st.req.arrival_s for st in finished]
-    body["queue_s"] = summary(waits)
-    body["_queue_waits"] = queue_growth([(st.req.arrival_s, w)
-                                          for st, w in zip(finished, waits, strict=True)])
+    body["slo"] = slo_section(ttft, fin.tpot_or_none(), rejected, span, *slo)
+    body["queue_s"] = summary(fin.wait)
+    body["_queue_waits"] = queue_growth(fin.waits_by_arrival())
     return body
 
 
-def _series(parts: Sequence[Part], finished: list[RequestState]) -> dict[str, Any]:
+def _series(parts: Sequence[Part], fin: Finished) -> dict[str, Any]:
     """The time series over all instances: counts summed, link use averaged."""
     first = parts[0].sampler
     if len(parts) == 1:
         series: dict[str, Any] = {"interval_s": first.interval, "t": first.t}
-        series.update(hit_series(finished, first))
+        series.update(hit_series(fin, first))
         series.update({f"link_util_{k}": v for k, v in first.util.items()})
         series.update(queue_len=first.queue_len, running=first.running)
         return series
@@ -220,7 +212,7 @@ def _series(parts: Sequence[Part], finished: list[RequestState]) -> dict[str, An
     t = first.t[:n]
     k = len(parts)
     series = {"interval_s": first.interval, "t": t}
-    series.update(hit_series(finished, first, n))
+    series.update(hit_series(fin, first, n))
     for link in LINKS:
         series[f"link_util_{link}"] = [round(sum(p.sampler.util[link][i] for p in parts) / k, 6)
                                        for i in range(n)]
@@ -234,19 +226,16 @@ def instance_rows(parts: Sequence[Part], sim_time: float) -> list[dict[str, Any]
     span = sim_time if sim_time > 0 else 1.0
     rows = []
     for i, p in enumerate(parts):
-        done = [st for st in p.engine.done if st.finish_s is not None]
-        hits = [sum(st.hits[t] for st in done) for t in (0, 1, 2)]
-        blocks = sum(len(st.req.keys) for st in done)
+        fin = p.finished
         busy = getattr(p.engine.executor, "busy_s", None)
         links = p.log.metrics()
         rows.append({
             "instance": i,
-            "requests": len(done),
+            "requests": len(fin),
             "rejected": p.engine.stats.rejected,
-            "hit_rate": hit_rates(hits, blocks),
-            "ttft_s": summary([st.first_token_s - st.req.arrival_s  # type: ignore[operator]
-                               for st in done]),
-            "queue_s": summary([st.admit_s - st.req.arrival_s for st in done]),
+            "hit_rate": hit_rates(fin.hits, fin.blocks),
+            "ttft_s": summary(fin.ttft),
+            "queue_s": summary(fin.wait),
             "compute_utilization": None if busy is None else min(1.0, busy / span),
             "link_utilization": {k: min(1.0, links[k]["busy_s"] / span) for k in LINKS},
             "bytes": dict(p.runtime.metrics.bytes),
@@ -254,26 +243,25 @@ def instance_rows(parts: Sequence[Part], sim_time: float) -> list[dict[str, Any]
     return rows
 
 
-def hit_series(finished: list[RequestState], sampler: Sampler,
+def hit_series(fin: Finished, sampler: Sampler,
                intervals: int | None = None) -> dict[str, list[float | None]]:
-    """Hit rate per tier of the requests arriving in each sampling interval."""
+    """Hit rate per tier of the requests arriving in each sampling interval (arrivals
+    past the last interval count in it)."""
     n = len(sampler.t) if intervals is None else intervals
     if n == 0:
         return {"hit_rate_device": [], "hit_rate_host": [], "hit_rate_storage": []}
     hits = np.zeros((3, n))
     blocks = np.zeros(n)
-    for st in finished:
-        b = min(n - 1, math.floor(st.req.arrival_s / sampler.interval))
-        blocks[b] += len(st.req.keys)
+    for b, row in fin.by_interval.items():  # integer sums: exact in any order
+        i = min(n - 1, b)
+        blocks[i] += row[0]
         for t in (0, 1, 2):
-            hits[t, b] += st.hits[t]
+            hits[t, i] += row[t + 1]
     rates = hits / np.maximum(blocks, 1)
     # An interval with no arrivals has no hit rate (null), not a rate of zero.
     return {f"hit_rate_{name}": [round(float(x), 6) if b else None
                                  for x, b in zip(rates[t], blocks, strict=True)]
             for t, name in enumerate(("device", "host", "storage"))}
-
-
 
 
 def hit_rates(hits: list[int], blocks: int) -> dict[str, float]:
