@@ -14,7 +14,9 @@ and ``CacheManager._adopt_private``; the digests are those main itself gives.)
 The cases between them take the paths a speed-up could get wrong: the default
 tiers in both modes; a calibrated profile (PCIe slowed while both ways are
 busy) with small tiers, ``write_back`` and the ``timeout`` prefetch policy
-(cancelled prefetches, recomputes); and injected transfer failures.
+(cancelled prefetches, recomputes); injected transfer failures; prefill/decode
+disaggregation (requests handed from one engine to another); and a cluster
+sharing a pool.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ CASES: dict[str, tuple[dict[str, Any], Any, str]] = {
         {"device_blocks": 400, "host_blocks": 1500, "storage_blocks": 6000,
          "prefetch_policy": "wait_complete"}, _fail_some,
         "c2f85ed7b55a6907bc79c6beda54977fb8b91e6f6e8f084af7bbce1472eb629f"),
+    "prefill_decode_1_2": ({"pd": "1:2"}, None,
+        "b65cb37a9908b239627577cbc74eaaf6f5a8bfd287032d01d673e33ae93b6862"),
+    "shared_pool_3": ({"instances": 3, "pool_blocks": 8000}, None,
+        "20e7351ab7cb46acc9924fe4f6d7e3c64018f443a6dd8555598db4f4e37909d3"),
 }
 
 
