@@ -182,7 +182,7 @@ def test_gate_serializes_concurrent_pool_reads_exactly():
     gate = PoolGate(50e9, 50e9)
     backends = [SimBackend(env, spec, hier) for _ in range(2)]
     for be in backends:
-        be.admit = gate.for_instance(50e9, 50e9)
+        be.admit = gate.for_instance(50e9)
     lands: list[list[float]] = [[], []]
 
     class Sink:

@@ -141,16 +141,16 @@ class PoolGate:
         self.held_s[direction] += issue - now
         return issue
 
-    def for_instance(self, nic_read_Bps: float, nic_write_Bps: float
-                     ) -> Callable[[TransferOp, float, float], float]:
-        """The gate as one instance's backend asks it (``WorldSetup.admit``)."""
+    def for_instance(self, nic_Bps: float) -> Callable[[TransferOp, float, float], float]:
+        """The gate as one instance's backend asks it (``WorldSetup.admit``); ``nic_Bps``:
+        its NIC's bandwidth, each way."""
         admit = self.admit
 
         def gate(op: TransferOp, nbytes: float, now: float) -> float:
             if op.src_tier == STORAGE:
-                return admit(READ, nbytes, nic_read_Bps, now)
+                return admit(READ, nbytes, nic_Bps, now)
             if op.dst_tier == STORAGE:
-                return admit(WRITE, nbytes, nic_write_Bps, now)
+                return admit(WRITE, nbytes, nic_Bps, now)
             return now
         return gate
 

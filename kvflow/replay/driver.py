@@ -196,8 +196,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
     sites: list[Site] = []
     try:
         for s in specs:
-            gate = None if pool is None or pool.gate is None else \
-                pool.gate.for_instance(s.nic[0], s.nic[0])  # type: ignore[index]
+            gate = None if pool is None or pool.gate is None or s.nic is None else \
+                pool.gate.for_instance(s.nic[0])
             sites.append(await world.start(WorldSetup(
                 setup.spec, s.profile, s.capacities, cfg.seed,
                 cfg.max_batch_tokens + cfg.max_running, s.tp, gate)))
