@@ -15,8 +15,10 @@ GPU transports of prefill/decode disaggregation:
 ``copy_from`` only enqueues; it returns an awaitable resolved once the layer's
 last scatter has run (the temporaries live until then), which is when the
 receiving port reports the frame landed. Over TCP the same object stages
-through host memory: ``read`` gathers a layer to host bytes in the wire order,
-``write`` scatters them back (synchronously: the frame's buffer is reused).
+through pinned host memory: ``read`` gathers a layer on the device in the wire
+order and copies it to a pinned buffer in one piece, ``write`` copies a frame
+into a pinned buffer, to the device in one piece and scatters it (synchronously:
+the frame's buffer is reused).
 
 CuPy is imported when an object is built, never at import: ``kvflow`` does not
 import this module.
@@ -32,6 +34,9 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kvflow.errors import ConfigError
+
+#: cudaMemcpyKind values (runtime API).
+_H2D, _D2H = 1, 2
 
 
 class CudaBlockMemory:
@@ -57,6 +62,7 @@ class CudaBlockMemory:
         self.layer_bytes = sum(self.role_bytes)
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
+        self._staging: np.ndarray | None = None  # pinned, for ``write``
 
     @classmethod
     def for_backend(cls, backend: Any) -> CudaBlockMemory:
@@ -74,22 +80,50 @@ class CudaBlockMemory:
 
     # ------------------------------------------------------------- host staging (TCP)
     def read(self, layer: int, ids: np.ndarray) -> np.ndarray:
+        """Gather layer ``layer`` of ``ids`` on the device into wire order, then one
+        contiguous copy into pinned host memory (the array returned owns it, so a frame
+        being sent keeps its bytes however many reads follow)."""
         cp = self._cp
-        out = np.empty((len(ids), self.layer_bytes), np.uint8)
+        n = len(ids)
+        mem = cp.cuda.alloc_pinned_memory(max(n * self.layer_bytes, 1))
+        out = np.frombuffer(mem, np.uint8, n * self.layer_bytes).reshape(n, self.layer_bytes)
+        if n == 0:
+            return out
         with cp.cuda.Device(self.device), self.stream:
             idx = cp.asarray(ids)
-            off = 0
-            for a, b in zip(self.arrays, self.role_bytes, strict=True):
-                out[:, off:off + b] = cp.asnumpy(a[layer][idx], stream=self.stream)
-                off += b
+            if len(self.arrays) == 1:
+                dev = self.arrays[0][layer][idx]
+            else:
+                dev = cp.empty((n, self.layer_bytes), cp.uint8)
+                off = 0
+                for a, b in zip(self.arrays, self.role_bytes, strict=True):
+                    dev[:, off:off + b] = a[layer][idx]
+                    off += b
+            cp.cuda.runtime.memcpyAsync(out.ctypes.data, dev.data.ptr, out.nbytes,
+                                        _D2H, self.stream.ptr)
             self.stream.synchronize()
         return out
 
     def write(self, layer: int, ids: np.ndarray, data: np.ndarray) -> None:
+        """Copy ``data`` into a pinned staging buffer (reused), one contiguous copy to the
+        device, scatter into the roles' blocks; returns once the blocks hold it (the
+        frame's buffer is reused by the link after this)."""
         cp = self._cp
+        n = len(ids)
+        if n == 0:
+            return
+        nbytes = n * self.layer_bytes
+        if self._staging is None or self._staging.nbytes < nbytes:
+            mem = cp.cuda.alloc_pinned_memory(max(nbytes, 2 * getattr(self._staging, "nbytes",
+                                                                        0)))
+            self._staging = np.frombuffer(mem, np.uint8)
+        host = self._staging[:nbytes].reshape(n, self.layer_bytes)
+        np.copyto(host, np.asarray(data, np.uint8).reshape(n, self.layer_bytes))
         with cp.cuda.Device(self.device), self.stream:
             idx = cp.asarray(ids)
-            src = cp.asarray(data)
+            src = cp.empty((n, self.layer_bytes), cp.uint8)
+            cp.cuda.runtime.memcpyAsync(src.data.ptr, host.ctypes.data, nbytes, _H2D,
+                                        self.stream.ptr)
             off = 0
             for a, b in zip(self.arrays, self.role_bytes, strict=True):
                 a[layer][idx] = src[:, off:off + b]

@@ -261,6 +261,16 @@ class CudaWorld:
         return CudaSite(backend, executor, loop, self.options, self.op_log)
 
 
+    async def pd_instance(self, spec: ModelSpec, cfg: Any, role: str, seed: int = 0) -> Any:
+        """One prefill, decode or colocated instance of ``kvflow serve-pd --backend cuda``
+        (``kernels.pd_instance.CudaInstance``), warmed up, on the running loop."""
+        from kernels.pd_instance import CudaInstance
+
+        return await CudaInstance.build(spec, cfg, role, executor=self.executor, seed=seed,
+                                        backend_options=self.options,
+                                        warm_up_links=warm_up_links)
+
+
 async def warm_up_links(backend: Any) -> None:
     """One copy each way (host block 0 <-> device block 0): compiles and loads the swap kernel."""
     from kernels.backend import FutureSink

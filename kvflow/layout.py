@@ -172,6 +172,13 @@ PRESETS: dict[str, ModelSpec] = {
         kv_lora_rank=512, qk_rope_head_dim=64, indexer_head_dim=128, dtype="fp8",
         hidden_size=7168, num_attention_heads=128, intermediate_size=18432,
         active_params=37.0e9),
+    # Not a published model: a 4-layer GQA model small enough to move real bytes on a
+    # CPU and that the GPU executor's kernels run (head_dim 64), with its exact weight
+    # count. ``kvflow serve-pd --backend cuda`` runs it by default, and the sim-vs-real
+    # PD checks replay it in the simulator under the same name.
+    "kvflow-tiny": ModelSpec(
+        "kvflow-tiny", num_layers=4, num_kv_heads=2, head_dim=64, hidden_size=512,
+        num_attention_heads=8, intermediate_size=1024, active_params=8912896.0),
 }
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 from cli_helpers import AppCli
 
 from cli import app
+from kernels import gpu_unavailable_reason
 from kvflow.realtime.pd_instance import tiny_spec
-from kvflow.realtime.pd_serve import PDRequest, ServeConfig, build_report
+from kvflow.realtime.pd_serve import PDRequest, ServeConfig, build_report, compare_tokens
 
 CLI = AppCli(app, "serve-pd")
 
@@ -80,3 +81,29 @@ def test_a_request_the_decode_side_rejects_stops_the_prefill_sides_send(tmp_path
     assert any("refused" in e and "rejected by the decode instance" in e
                for e in r["transfer"]["send_errors"])
     assert r["errors"]["corrupt_reads"] == 0
+
+
+def test_backend_mistakes_are_one_line_errors() -> None:
+    assert "backend" in CLI.user_error("--backend", "tpu", "--limit", "1")
+    assert "check_tokens" in CLI.user_error("--check-tokens", "--limit", "1")
+    if gpu_unavailable_reason() is not None:  # here: no GPU, said before any process starts
+        assert "cuda" in CLI.user_error("--backend", "cuda", "--limit", "1")
+
+
+def test_tokens_are_compared_with_the_colocated_run() -> None:
+    """The decode side's tokens are the colocated run's first ``output_len - 1`` (its first
+    recomputed from the received KV), the prefill's first the colocated first; a
+    difference anywhere, a short decode, or a request the colocated run dropped is named."""
+    reqs = [PDRequest(i, 0.0, (i,), 20, out) for i, out in enumerate((4, 4, 4, 1, 4))]
+    colo = {"0": [5, 6, 7, 8], "1": [5, 6, 7, 8], "2": [5, 6, 7, 8], "3": [9], "4": []}
+    pre = {"0": [5], "1": [5], "2": [4], "3": [9], "4": [5]}
+    dec = {"0": [5, 6, 7], "1": [5, 0, 7], "2": [5, 6, 7], "4": [5, 6, 7]}
+    t = compare_tokens(reqs, {"outputs": pre}, {"outputs": dec},
+                       {"outputs": colo, "errors": {"4": "rejected"}})
+    assert (t["requests"], t["equal"], t["mismatched"]) == (5, 2, 3)
+    assert any(x.startswith("1: decode token 1 differs") for x in t["examples"])
+    assert any(x.startswith("2: prefill's first token") for x in t["examples"])
+    assert any(x.startswith("4: colocated run sampled 0") for x in t["examples"])
+    short = compare_tokens(reqs[:1], {"outputs": pre}, {"outputs": {"0": [5, 6]}},
+                           {"outputs": colo})
+    assert short["mismatched"] == 1 and "2 sampled, 3 expected" in short["examples"][0]

@@ -24,6 +24,8 @@ Examples:
   kvflow serve-pd trace.jsonl --start 480 --limit 100 --time-scale 0.5 --out pd.json
 
   kvflow serve-pd --decode-device-blocks 64 --deadline-s 2 --on-failure fail
+
+  kvflow serve-pd --backend cuda --check-tokens     # both on one GPU; tokens vs colocated
 """
 
 
@@ -36,7 +38,7 @@ def print_pd_summary(report: dict[str, Any], console: Console) -> None:
     xfer = report["transfer"]
     t = Table(title=f"kvflow serve-pd — {report['requests']} requests, {cfg['model']} "
                     f"({cfg['num_layers']} layers, {cfg['block_tokens']}-token blocks), "
-                    f"TCP, {report['wall_s']:.1f} s wall")
+                    f"TCP, {report['world']}, {report['wall_s']:.1f} s wall")
     t.add_column("")
     for k in ("mean", "p50", "p90", "p99"):
         t.add_column(k, justify="right")
@@ -50,6 +52,12 @@ def print_pd_summary(report: dict[str, Any], console: Console) -> None:
                   f"on the wire, {xfer['frames']} frames) in {xfer['transfers']} transfers: "
                   f"{xfer['ok']} landed, {xfer['failed']} failed, {xfer['skipped']} not needed "
                   f"(decode held the prompt), {xfer['recomputed']} recomputed on decode")
+    tokens = report.get("tokens")
+    if tokens is not None:
+        colour = "green" if tokens["mismatched"] == 0 else "red"
+        console.print(f"[{colour}]tokens against a colocated run: {tokens['equal']} of "
+                      f"{tokens['requests']} requests equal[/{colour}]"
+                      + "".join(f"\n  {x}" for x in tokens["examples"]))
     bad = report["errors"]["corrupt_reads"]
     if bad or report["failed"]:
         console.print(f"[red]{bad} corrupt reads; {len(report['failed'])} requests failed: "
@@ -79,9 +87,16 @@ def serve_pd_cmd(
     out: Annotated[Path | None, typer.Option(help="Write the full report (JSON) here.")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    backend: Annotated[str, typer.Option(
+        help="cpu (the real-time CPU world) or cuda (both engines on one GPU).")] = "cpu",
+    executor: Annotated[str, typer.Option(
+        help="cuda: exact (batch-invariant: tokens comparable) or fast.")] = "exact",
+    check_tokens: Annotated[bool, typer.Option(
+        help="cuda: run the requests colocated too and compare every request's tokens.")]
+        = False,
 ) -> None:
-    """Run a prefill and a decode engine as two processes over TCP (real-time CPU world);
-    report transfer bytes, the KV wait at decode admission, TTFT and TPOT."""
+    """Run a prefill and a decode engine as two processes over TCP (real-time CPU world,
+    or one GPU); report transfer bytes, the KV wait at decode admission, TTFT and TPOT."""
     from kvflow.realtime.pd_instance import InstanceConfig
     from kvflow.realtime.pd_serve import ServeConfig, serve_pd
 
@@ -97,7 +112,8 @@ def serve_pd_cmd(
         cfg = ServeConfig(trace=path, start=start, limit=limit, time_scale=time_scale,
                           model=model, prefill=inst(prefill_device_blocks),
                           decode=inst(decode_device_blocks), deadline_s=deadline_s,
-                          on_failure=on_failure)
+                          on_failure=on_failure, backend=backend, executor=executor,
+                          check_tokens=check_tokens)
         report = serve_pd(cfg)
     if out is not None:
         out.write_text(json.dumps(report, indent=1, default=str))

@@ -2,12 +2,21 @@
 
 The parent starts a prefill process (it listens on loopback) and a decode
 process (it connects), tells both one start time on the machine's monotonic
-clock, and each replays the same trace slice in real time in the CPU world
-(``kvflow.realtime.pd_instance``): every request arrives at both; the prefill engine
+clock, and each replays the same trace slice in real time, in the CPU world
+(``kvflow.realtime.pd_instance``) or, with ``backend="cuda"``, both on one GPU
+(``kernels.pd_instance``, loaded by name through ``kvflow.world``: the core
+never imports CuPy): every request arrives at both; the prefill engine
 computes its prompt (and first token) and sends the KV layer by layer over
 TCP; the decode engine receives it into blocks it allocated at admission and
-decodes the remaining tokens. Both check every block they read against the
-bytes its key implies (``corrupt_reads`` must stay 0).
+decodes the remaining tokens. In the CPU world both check every block they
+read against the bytes its key implies (``corrupt_reads`` must stay 0). On a GPU
+the check is the tokens: with ``check_tokens`` a third process then runs the
+same requests colocated (one engine, prefill and decode) and the report's
+``tokens`` section says whether every request's tokens are the same both ways
+(the ``exact`` executor is batch-invariant, so they must be, bit for bit). The
+decode engine recomputes the prompt's last position as its first step (one
+token, over the received KV) and samples the first token again from it: its
+tokens are the colocated run's first ``output_len - 1``.
 
 The report (``build_report``) is the seam for the simulator's PD mode: per
 request, arrival, the prefill's first token, the decode side's admission, KV
@@ -47,9 +56,13 @@ from kvflow.pd.wire import wire_id
 from kvflow.realtime.pd_instance import ROLES, Instance, InstanceConfig, tiny_spec
 from kvflow.replay.config import request_keys
 from kvflow.replay.report import summary
-from kvflow.world import new_loop
+from kvflow.world import load_world, new_loop
 
 REPORT_VERSION = "pd-1"
+#: Where the pair runs: the real-time CPU world, or one GPU (``kvflow.world.WORLDS``).
+BACKENDS = ("cpu", "cuda")
+#: The model ``tiny`` names on a GPU: the kernels need head_dim 64 or 128.
+GPU_TINY = "kvflow-tiny"
 #: Seconds the parent waits for a child to start, and beyond the last arrival for the end.
 START_TIMEOUT_S = 60.0
 
@@ -70,6 +83,11 @@ class ServeConfig:
     on_failure: str = "recompute"
     host: str = "127.0.0.1"
     use_uvloop: bool = True
+    backend: str = "cpu"
+    #: The GPU world's compute (``kernels.fast.EXECUTORS``); exact: tokens comparable.
+    executor: str = "exact"
+    #: GPU: run the requests colocated too and compare every request's tokens.
+    check_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.limit <= 0 or self.start < 0:
@@ -78,6 +96,12 @@ class ServeConfig:
             raise ConfigError(f"time_scale must be >= 0, got {self.time_scale}")
         if self.on_failure not in ("recompute", "fail"):
             raise ConfigError(f"on_failure must be recompute or fail, got {self.on_failure!r}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {', '.join(BACKENDS)}, "
+                              f"got {self.backend!r}")
+        if self.check_tokens and self.backend != "cuda":
+            raise ConfigError("check_tokens compares sampled tokens: the GPU world's "
+                              "(backend 'cuda') only")
 
 
 @dataclass(frozen=True)
@@ -110,7 +134,10 @@ def load_slice(cfg: ServeConfig) -> tuple[ModelSpec, list[PDRequest]]:
     t0 = out[0].arrival_s
     out = [PDRequest(r.rid, r.arrival_s - t0, r.keys, r.input_len, r.output_len) for r in out]
     bt = tr.block_tokens
-    spec = tiny_spec(bt) if cfg.model == "tiny" else preset(cfg.model, block_tokens=bt)
+    if cfg.model == "tiny":
+        spec = tiny_spec(bt) if cfg.backend == "cpu" else preset(GPU_TINY, block_tokens=bt)
+    else:
+        spec = preset(cfg.model, block_tokens=bt)
     return spec, out
 
 
@@ -166,10 +193,38 @@ async def _recv(conn: Any) -> Any:
     return await loop.run_in_executor(None, conn.recv)
 
 
+async def make_instance(cfg: ServeConfig, spec: ModelSpec, icfg: InstanceConfig,
+                        role: str) -> Any:
+    """The role's instance in ``cfg.backend``'s world (a GPU's loaded by name)."""
+    if cfg.backend == "cpu":
+        return Instance(spec, icfg, role)
+    world: Any = load_world(cfg.backend, executor=cfg.executor)
+    return await world.pd_instance(spec, icfg, role)
+
+
+async def _run_colocated(cfg: ServeConfig) -> dict[str, Any]:
+    """The reference for ``check_tokens``: every request prefilled and decoded by one
+    engine (the prefill instance's tiers), all at once (tokens do not depend on timing)."""
+    spec, reqs = load_slice(cfg)
+    inst = await make_instance(cfg, spec, sized(cfg.prefill, spec, reqs), "colocated")
+    eng = inst.engine
+    run = asyncio.get_running_loop().create_task(eng.run())
+    for r in reqs:
+        eng.add(EngineRequest(r.rid, r.arrival_s, r.keys, r.input_len, r.output_len))
+    eng.close()
+    await run
+    await inst.drain()
+    errors = {wire_id(st.req.request_id): st.error for st in eng.done if st.error is not None}
+    return {"role": "colocated", "errors": errors,
+            "outputs": {wire_id(k): v for k, v in inst.outputs().items()}}
+
+
 async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
+    if role == "colocated":
+        return await _run_colocated(cfg)
     spec, reqs = load_slice(cfg)
     icfg = sized(cfg.prefill if role == "prefill" else cfg.decode, spec, reqs)
-    inst = Instance(spec, icfg, role)
+    inst = await make_instance(cfg, spec, icfg, role)
     eng = inst.engine
     eng.clock = time.monotonic
     rec: dict[str, dict[str, Any]] = {wire_id(r.rid): {} for r in reqs}
@@ -250,6 +305,8 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
         "spec": {"name": spec.name, "bytes_per_block": spec.bytes_per_block,
                  "num_layers": spec.num_layers, "block_tokens": spec.block_tokens},
     }
+    if hasattr(inst, "outputs"):
+        result["outputs"] = {wire_id(k): v for k, v in inst.outputs().items()}
     if server is not None:
         result["refused_peers"] = server.refused
         await server.close()
@@ -262,14 +319,19 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
 def serve_pd(cfg: ServeConfig) -> dict[str, Any]:
     """Run the pair as two processes; returns the PD report."""
     spec, reqs = load_slice(cfg)  # fail here, not in a child, on a bad trace or model
+    if cfg.backend != "cpu":  # and on a missing GPU or an unknown executor
+        load_world(cfg.backend, executor=cfg.executor)
     t_wall = time.perf_counter()
-    p_res, d_res = asyncio.run(_parent(cfg, reqs))
+    p_res, d_res, c_res = asyncio.run(_parent(cfg, reqs))
     report = build_report(cfg, spec, reqs, p_res, d_res)
+    if c_res is not None:
+        report["tokens"] = compare_tokens(reqs, p_res, d_res, c_res)
     report["wall_s"] = round(time.perf_counter() - t_wall, 3)
     return report
 
 
-async def _parent(cfg: ServeConfig, reqs: list[PDRequest]) -> tuple[dict[str, Any], ...]:
+async def _parent(cfg: ServeConfig, reqs: list[PDRequest]
+                  ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
     root = str(Path(__file__).resolve().parents[2])  # this kvflow, whatever is installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -290,10 +352,19 @@ async def _parent(cfg: ServeConfig, reqs: list[PDRequest]) -> tuple[dict[str, An
         for proc in procs:
             _put(proc, {"t0": t0})
         span = reqs[-1].arrival_s * cfg.time_scale + START_TIMEOUT_S + 2 * cfg.deadline_s
-        results = await asyncio.gather(_get(p, "prefill", span), _get(d, "decode", span))
+        p_res, d_res = await asyncio.gather(_get(p, "prefill", span), _get(d, "decode", span))
         for proc in procs:
             await asyncio.wait_for(proc.wait(), 10)
-        return tuple(results)
+        c_res = None
+        if cfg.check_tokens:  # after the pair, so that it never competes with it
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "kvflow.realtime.pd_serve", "colocated", stdin=PIPE,
+                stdout=PIPE, env=env, limit=1 << 26)
+            procs.append(proc)
+            proc.stdin.write(line)  # type: ignore[union-attr]
+            c_res = await _get(proc, "colocated", span)
+            await asyncio.wait_for(proc.wait(), 10)
+        return p_res, d_res, c_res
     finally:
         for proc in procs:
             if proc.returncode is None:
@@ -358,7 +429,8 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
                    "blocks_verified": res["counters"]["compute"]["blocks_verified"]}
                for k, res in (("prefill", p_res), ("decode", d_res))}
     return {
-        "kvflow_report": REPORT_VERSION, "mode": "pd", "world": "cpu-realtime",
+        "kvflow_report": REPORT_VERSION, "mode": "pd",
+        "world": "cpu-realtime" if cfg.backend == "cpu" else cfg.backend,
         "config": {**asdict(cfg), "model": spec.name, "block_tokens": spec.block_tokens,
                    "bytes_per_block": spec.bytes_per_block, "num_layers": spec.num_layers,
                    "transport": "tcp", "trace_requests": len(reqs)},
@@ -382,6 +454,36 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
         "samples": {"ttft_s": [round(x, 6) for x in ttft], "tpot_s": [round(x, 6) for x in tpot],
                     "wait_at_admission_s": [round(x, 6) for x in wait]},
     }
+
+
+def compare_tokens(reqs: list[PDRequest], p_res: dict[str, Any], d_res: dict[str, Any],
+                   c_res: dict[str, Any]) -> dict[str, Any]:
+    """Each request's tokens in the PD pair against the colocated run: the prefill's
+    first token is the colocated first; the decode side's ``output_len - 1`` tokens
+    (its first recomputed from the received KV) are the colocated first ones."""
+    po, do, co = p_res.get("outputs", {}), d_res.get("outputs", {}), c_res["outputs"]
+    equal, diffs = 0, []
+    for r in reqs:
+        rid = wire_id(r.rid)
+        ref = co.get(rid, [])
+        pre, dec = po.get(rid, []), do.get(rid, [])
+        want_dec = ref[:r.output_len - 1] if r.output_len > 1 else []
+        problem = None
+        if len(ref) != r.output_len:
+            problem = f"colocated run sampled {len(ref)} of {r.output_len} tokens"
+        elif pre[:1] != ref[:1]:
+            problem = f"prefill's first token {pre[:1]} != colocated {ref[:1]}"
+        elif dec != want_dec:
+            at = next((i for i, (a, b) in enumerate(zip(dec, want_dec, strict=False))
+                       if a != b), min(len(dec), len(want_dec)))
+            problem = (f"decode token {at} differs ({len(dec)} sampled, "
+                       f"{len(want_dec)} expected)")
+        if problem is None:
+            equal += 1
+        else:
+            diffs.append(f"{rid}: {problem}")
+    return {"requests": len(reqs), "equal": equal, "mismatched": len(diffs),
+            "examples": diffs[:8], "colocated_errors": c_res.get("errors", {})}
 
 
 if __name__ == "__main__":
