@@ -63,8 +63,10 @@ REPORT_VERSION = "pd-1"
 BACKENDS = ("cpu", "cuda")
 #: The model ``tiny`` names on a GPU: the kernels need head_dim 64 or 128.
 GPU_TINY = "kvflow-tiny"
-#: Seconds the parent waits for a child to start, and beyond the last arrival for the end.
+#: Seconds the parent waits for a child to start, and beyond the last arrival for the end
+#: (a GPU child also creates its context and compiles its kernels first).
 START_TIMEOUT_S = 60.0
+GPU_START_TIMEOUT_S = 240.0
 
 
 @dataclass
@@ -345,13 +347,14 @@ async def _parent(cfg: ServeConfig, reqs: list[PDRequest]
             procs.append(proc)
             proc.stdin.write(line)  # type: ignore[union-attr]
         p, d = procs
-        msg = await _get(p, "prefill", START_TIMEOUT_S)
+        wait_s = START_TIMEOUT_S if cfg.backend == "cpu" else GPU_START_TIMEOUT_S
+        msg = await _get(p, "prefill", wait_s)
         _put(d, {"port": msg["port"]})
-        await _get(d, "decode", START_TIMEOUT_S)
+        await _get(d, "decode", wait_s)
         t0 = time.monotonic() + 0.2
         for proc in procs:
             _put(proc, {"t0": t0})
-        span = reqs[-1].arrival_s * cfg.time_scale + START_TIMEOUT_S + 2 * cfg.deadline_s
+        span = reqs[-1].arrival_s * cfg.time_scale + wait_s + 2 * cfg.deadline_s
         p_res, d_res = await asyncio.gather(_get(p, "prefill", span), _get(d, "decode", span))
         for proc in procs:
             await asyncio.wait_for(proc.wait(), 10)
