@@ -80,6 +80,8 @@ class PDExecutor:
         self.layer_written: Any = None
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (copy, unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     async def run_step(self, batch: Any, waits: Sequence[Any]) -> None:
@@ -130,6 +132,8 @@ class CudaInstance:
         if warm_up_links is not None:
             await warm_up_links(self.gpu)
         self.gpu.synchronize()
+        #: (tokens, GPU s, wall s) per step: what a simulator's compute model is fitted to.
+        inner.step_log = self.step_log = []
         self.executor = PDExecutor(inner, spec.num_layers)
         self.pd = PDBackend(spec.num_layers)
         self.backend = RoutedBackend({(Tier.HOST, Tier.DEVICE): self.gpu,
@@ -165,4 +169,6 @@ class CudaInstance:
                 # No keyed bytes on a GPU: the check is the tokens (report's "tokens").
                 "compute": {"corrupt_reads": 0, "blocks_verified": 0,
                             "executor": getattr(ex, "kind", None), "steps": ex.steps,
-                            "gpu_s": ex.busy_s}}
+                            "gpu_s": ex.busy_s},
+                "steps": [(sum(n for n, _ in pre) + len(dec), round(gpu, 7), round(wall, 7))
+                          for pre, dec, gpu, wall, _ in self.step_log]}

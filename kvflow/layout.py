@@ -176,8 +176,8 @@ PRESETS: dict[str, ModelSpec] = {
     # CPU and that the GPU executor's kernels run (head_dim 64), with its exact weight
     # count. ``kvflow serve-pd --backend cuda`` runs it by default, and the sim-vs-real
     # PD checks replay it in the simulator under the same name.
-    "kvflow-tiny": ModelSpec(
-        "kvflow-tiny", num_layers=4, num_kv_heads=2, head_dim=64, hidden_size=512,
+    "kvflow-tiny-hd64": ModelSpec(
+        "kvflow-tiny-hd64", num_layers=4, num_kv_heads=2, head_dim=64, hidden_size=512,
         num_attention_heads=8, intermediate_size=1024, active_params=8912896.0),
 }
 

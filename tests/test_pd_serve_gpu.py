@@ -24,7 +24,7 @@ pytestmark = [
 def test_pd_pair_on_one_gpu_decodes_the_colocated_tokens() -> None:
     cfg = ServeConfig(start=480, limit=6, time_scale=0.05, backend="cuda", check_tokens=True)
     r = serve_pd(cfg)
-    assert r["world"] == "cuda" and r["config"]["model"] == "kvflow-tiny"
+    assert r["world"] == "cuda" and r["config"]["model"] == "kvflow-tiny-hd64"
     assert r["requests"] == 6 and r["failed"] == []
     x = r["transfer"]
     assert x["transfers"] == x["ok"] > 0 and x["failed"] == 0 and x["recomputed"] == 0

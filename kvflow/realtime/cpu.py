@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -303,6 +304,9 @@ class KeyedBlockExecutor:
         #: the compute time of) layer ``layer``, layers in order; the step then paces its
         #: compute layer by layer. A prefill instance (``kvflow.pd``) sends each layer then.
         self.layer_written: Callable[[Any, int], None] | None = None
+        #: When a list: one ``(tokens, None, wall seconds)`` per step (the GPU executor's
+        #: step log in the same shape): what a simulator's compute model is fitted to.
+        self.step_log: list[tuple[int, None, float]] | None = None
         self._cache: OrderedDict[Hashable, np.ndarray] = OrderedDict()
         self._cache_blocks = cache_blocks
 
@@ -368,6 +372,7 @@ class KeyedBlockExecutor:
         per_layer = total / self.num_layers
         bad: dict[tuple[Any, int], int] = {}
         t0 = loop.time()
+        w0 = time.perf_counter()
         for layer in range(self.num_layers):
             for t in pending:
                 if t.layers_done <= layer:
@@ -389,6 +394,8 @@ class KeyedBlockExecutor:
         st = self.stats
         st.steps += 1
         st.busy_s += loop.time() - t0
+        if self.step_log is not None:
+            self.step_log.append((batch.tokens, None, time.perf_counter() - w0))
         st.blocks_verified += sum(len(v[1]) for v in verifies)
         st.blocks_written += sum(len(w[0]) for w in writes)
         if bad:

@@ -85,6 +85,7 @@ class Instance:
                                            lay.bytes_per_layer_block, spec.block_tokens,
                                            step_s=cfg.step_s, token_s=cfg.token_s,
                                            verify_decode=cfg.verify_decode)
+        self.executor.step_log = []
         self.engine = Engine(self.manager, self.runtime, self.executor,
                              EngineConfig(spec.block_tokens, cfg.max_batch_tokens,
                                           cfg.max_running))
@@ -102,4 +103,5 @@ class Instance:
         m = self.runtime.metrics
         return {"bytes": dict(m.bytes), "ops": dict(m.ops), "failed": m.failed,
                 "cancelled": m.cancelled, "engine": dict(self.engine.stats.__dict__),
-                "compute": self.executor.stats.as_dict(), "busy": self.copies.busy_s()}
+                "compute": self.executor.stats.as_dict(), "busy": self.copies.busy_s(),
+                "steps": [(n, g, round(w, 7)) for n, g, w in self.executor.step_log or ()]}

@@ -62,7 +62,7 @@ REPORT_VERSION = "pd-1"
 #: Where the pair runs: the real-time CPU world, or one GPU (``kvflow.world.WORLDS``).
 BACKENDS = ("cpu", "cuda")
 #: The model ``tiny`` names on a GPU: the kernels need head_dim 64 or 128.
-GPU_TINY = "kvflow-tiny"
+GPU_TINY = "kvflow-tiny-hd64"
 #: Seconds the parent waits for a child to start, and beyond the last arrival for the end
 #: (a GPU child also creates its context and compiles its kernels first).
 START_TIMEOUT_S = 60.0
