@@ -28,7 +28,9 @@ landed and finish, all on one clock; and
 * ``transfer.bytes`` / ``wire_bytes`` — KV payload received / TCP bytes both ways;
 * ``transfer.wait_at_admission_s`` — decode admission to the KV having landed;
 * ``transfer.after_prefill_s`` — first token to KV landed: the part of the
-  transfer not hidden under prefill;
+  transfer not hidden under prefill; in two: ``sent_after_prefill_s`` (first
+  token to the prefill side's last frame having left) and
+  ``landed_after_sent_s`` (from then to the decode side having all of it);
 * ``transfer.failed`` / ``recomputed`` — transfers that did not land, and the
   requests that recomputed their prefill on the decode side instead.
 """
@@ -241,7 +243,10 @@ async def _run_role(role: str, cfg: ServeConfig, conn: Any) -> dict[str, Any]:
             rid = wire_id(st.req.request_id)
             rec[rid]["admit"] = time.monotonic()
             if out_len[rid] > 1:  # a request that ends with its first token is not sent
-                send(st)
+                task = send(st)
+                if task is not None:  # when its last frame has left (or it failed)
+                    task.wait().add_done_callback(
+                        lambda _, rid=rid: rec[rid].update(sent=time.monotonic()))
 
         eng.on_admit = on_admit
         conn.send({"port": server.port})
@@ -409,6 +414,7 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
     t0 = p_res["t0"]
     pr, dr = p_res["records"], d_res["records"]
     ttft, tpot, e2e, wait, after, samples = [], [], [], [], [], []
+    held, crossing = [], []
     failed: list[str] = []
     for r in reqs:
         rid = wire_id(r.rid)
@@ -424,6 +430,9 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
             if d.get("kv") is not None:
                 wait.append(d["kv"] - d["admit"])
                 after.append(d["kv"] - p["first"])
+                if p.get("sent") is not None:
+                    held.append(p["sent"] - p["first"])
+                    crossing.append(d["kv"] - p["sent"])
         else:
             e2e.append(p["first"] - arrival)
         samples.append(rid)
@@ -446,6 +455,9 @@ def build_report(cfg: ServeConfig, spec: ModelSpec, reqs: list[PDRequest],
             "skipped": side["skipped"], "recomputed": side["recomputed"],
             "aborted": side["aborted"],
             "wait_at_admission_s": summary(wait), "after_prefill_s": summary(after),
+            # after_prefill_s in two: the first token to the prefill side's last frame
+            # having left, then that to the decode side having it all.
+            "sent_after_prefill_s": summary(held), "landed_after_sent_s": summary(crossing),
             "errors": d_res["transfer_errors"], "send_errors": p_res["transfer_errors"],
         },
         "errors": {"corrupt_reads": sum(c["corrupt_reads"] for c in compute.values()),
