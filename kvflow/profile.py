@@ -101,6 +101,15 @@ class GpuProfile:
     step_overhead_per_prefill_s: float = 0.0
     pcie_duplex: float = 1.0
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
+    #: Tile quantisation of the executor's kernels (0: off, the presets). ``gemm_row_tile``:
+    #: a weight GEMM over more rows than this costs as over the next multiple of it (the
+    #: GEMM library's row tiles). ``attention_tile_rows``: query rows of a prefill
+    #: attention work item (one CTA per item and query head); ``attention_ctas``: work
+    #: items the GPU runs at once (SMs x CTAs per SM). With both set, prefill attention
+    #: costs whole waves of items (``kvflow.cost.prefill_wave_pairs``).
+    gemm_row_tile: float = 0.0
+    attention_tile_rows: float = 0.0
+    attention_ctas: float = 0.0
     # NVIDIA H100 SXM5 datasheet: NVLink 900 GB/s per GPU, both directions together,
     # i.e. 450 GB/s each way (H200 SXM: the same).
     nvlink_bytes_per_s: float = 450e9
@@ -133,7 +142,7 @@ def _problem(key: str, value: Any) -> str | None:
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
     if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s",
-               "nvlink_latency_s"):
+               "nvlink_latency_s", "gemm_row_tile", "attention_tile_rows", "attention_ctas"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 

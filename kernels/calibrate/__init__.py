@@ -48,16 +48,26 @@ from kernels.calibrate.fit import (
     Log,
     RooflineFit,
     StepPoint,
+    Tiles,
+    choose_tiles,
     fit_link,
     fit_roofline,
     pcie_duplex,
     render_profile,
+    retile,
     roofline,
     step_point,
     step_terms,
+    tile_candidates,
     write_profile,
 )
-from kernels.calibrate.host_share import HostShare, host_share_fit, measure_step_overhead
+from kernels.calibrate.host_share import (
+    HostShare,
+    admission_delays,
+    host_share_fit,
+    measure_admission,
+    measure_step_overhead,
+)
 from kernels.calibrate.links import (
     REPLAY_LINK_OUTPUT,
     REPLAY_LINK_SIZES,
@@ -81,10 +91,14 @@ __all__ = [
     "Log",
     "RooflineFit",
     "StepPoint",
+    "Tiles",
+    "admission_delays",
     "calibrate",
+    "choose_tiles",
     "fit_link",
     "fit_roofline",
     "host_share_fit",
+    "measure_admission",
     "measure_backend_links",
     "measure_executor",
     "measure_matmuls",
@@ -95,10 +109,12 @@ __all__ = [
     "pcie_duplex",
     "profile_comments",
     "render_profile",
+    "retile",
     "roofline",
     "scattered_op_seconds",
     "step_point",
     "step_terms",
+    "tile_candidates",
     "write_profile",
 ]
 
@@ -184,6 +200,8 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
             if v is not None}
     over = measure_step_overhead(spec, log, backend_options=opts)
     gc.collect()
+    over.update(measure_admission(spec, log, backend_options=opts))
+    gc.collect()
     replay_links = measure_replay_links(spec, log, raw, backend_options=opts)
     gc.collect()
     # The profile's links: as a replay sees them where that replay gave enough ops,
@@ -202,6 +220,16 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     curve = [(float(m), round(min(v["flops"] / b.peak_bf16_flops, 1.0), 5))
              for m, v in sorted(exe["gemm"].items())]
     shape = gemm_shape(curve)
+    # Tile quantisation (GEMM row tiles, waves of prefill attention CTAs): whichever fits
+    # the isolated grid steps best, off unless one does.
+    grid = steps[:len(exe["points"])]
+    tiles, grid_rms = choose_tiles(grid, spec, b.peak_bf16_flops, b.hbm_bytes_per_s,
+                                   tile_candidates(exe.get("prefill_rows", 0), exe.get("sms", 0)),
+                                   per_seq=per_seq, per_prefill=per_prefill, gemm_shape=shape)
+    log(f"tile quantisation: gemm_row_tile {tiles.gemm_row_tile}, attention_tile_rows "
+        f"{tiles.attention_tile_rows}, attention_ctas {tiles.attention_ctas} (grid steps' "
+        f"rms log error {grid_rms:.3f})")
+    steps = retile(steps, spec, tiles)
     mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
                                                   b.hbm_bytes_per_s, per_seq=per_seq,
                                                   per_prefill=per_prefill, gemm_shape=shape)
@@ -230,7 +258,9 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "hbm_bytes_per_s": b.hbm_bytes_per_s, "mbu": round(mbu, 5),
         "memory_bytes": float(total), "step_overhead_s": fixed,
         "step_overhead_per_seq_s": per_seq,
-        "step_overhead_per_prefill_s": per_prefill,
+        # a prefill item also pays its request's admission (arrival to first step, engine
+        # idle): host time the gaps between a busy engine's steps do not show
+        "step_overhead_per_prefill_s": per_prefill + over.get("admission_s", 0.0),
         "h2d": {"bandwidth_Bps": profile_links["h2d"]["bandwidth_Bps"],
                 "latency_s": profile_links["h2d"]["latency_s"]},
         "d2h": {"bandwidth_Bps": profile_links["d2h"]["bandwidth_Bps"],
@@ -238,8 +268,12 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "pcie_duplex": pcie_duplex(links),
         "gemm_efficiency": [[int(t), e] for t, e in curve],
     }
+    for key, value in dataclasses.asdict(tiles).items():
+        if value:
+            profile[key] = value
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
+                        "tiles": dataclasses.asdict(tiles), "tiles_grid_rms": grid_rms,
                         "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
                         "host_per_prefill_s": per_prefill,
                         "rms_log_error": rms, "steps": rows},
@@ -293,6 +327,11 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "misses (small-M GEMMs stream weights far below HBM speed), and",
         "step_overhead_per_seq_s / _per_prefill_s the host's growth per sequence and per",
         "prefill item.",
+        f"Tile quantisation chosen on the grid steps: {cal.fit.get('tiles')} (grid rms log "
+        f"error {cal.fit.get('tiles_grid_rms', float('nan')):.3f}).",
+        f"step_overhead_per_prefill_s adds each request's admission, "
+        f"{cal.overhead.get('admission_s', 0.0) * 1e3:.3f} ms (arrival to its first step on "
+        "an idle engine, median of a spaced GPU replay).",
         "",
         *_replay_link_comments(cal),
         f"Isolated links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 "
