@@ -150,3 +150,22 @@ def test_gpu_suite_replays_one_instance_in_both_worlds() -> None:
     for cuda in (False, True):
         cmd = gpu_suite.replay_cmd(Path("t.jsonl"), (60, 1024), Path("o.json"), cuda).split()
         assert cmd[cmd.index("--instances") + 1] == "1"
+
+
+def test_robust_fit_leaves_out_steps_disturbed_by_one_time_costs() -> None:
+    from kernels.calibrate import fit_roofline, robust_fit_roofline
+
+    peak, hbm = TILED.peak_bf16_flops, TILED.hbm_bytes_per_s
+    batches = [([(n, c)], []) for n, c in ((512, 0), (2048, 0), (8192, 0), (1024, 2048),
+                                           (2048, 8192), (4096, 16384), (1024, 32768))]
+    batches += [([], [c + 1] * b) for b in (1, 2, 4, 8, 16, 24, 32) for c in (1024, 4096)]
+    pts = []
+    for i, (pre, dec) in enumerate(batches):
+        p = step_point("", SPEC, pre, dec, 0.0)
+        t = roofline(p, 4, peak, hbm, 0.6, 0.7, 8e-4, 0.3)
+        pts.append(replace(p, seconds=t * (4.0 if i % 7 == 3 else 1.0)))  # 3 stalled steps
+    plain = fit_roofline(pts, 4, peak, hbm)
+    fit, kept = robust_fit_roofline(pts, 4, peak, hbm)
+    assert kept.count(False) == 3 and not any(k for i, k in enumerate(kept) if i % 7 == 3)
+    assert fit.mbu == pytest.approx(0.7, rel=0.03) and fit.mfu == pytest.approx(0.6, rel=0.03)
+    assert fit.rms < 0.01 < plain.rms

@@ -55,6 +55,7 @@ from kernels.calibrate.fit import (
     pcie_duplex,
     render_profile,
     retile,
+    robust_fit_roofline,
     roofline,
     step_point,
     step_terms,
@@ -110,6 +111,7 @@ __all__ = [
     "profile_comments",
     "render_profile",
     "retile",
+    "robust_fit_roofline",
     "roofline",
     "scattered_op_seconds",
     "step_point",
@@ -139,8 +141,9 @@ class Calibration:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["executor"]["points"] = [dataclasses.asdict(p) if isinstance(p, StepPoint) else p
-                                   for p in self.executor["points"]]
+        for key in ("points", "engine_points"):
+            d["executor"][key] = [dataclasses.asdict(p) if isinstance(p, StepPoint) else p
+                                  for p in self.executor.get(key, [])]
         return d
 
 
@@ -216,6 +219,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     host, per_seq = over["host_fixed_s"], over["host_per_seq_s"]
     per_prefill = over["host_per_prefill_s"]
     engine_pts = over.pop("points")
+    exe["engine_points"] = engine_pts  # (in the JSON: a refit needs their batches)
     steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs
                                  + per_prefill * p.prefills)
              for p in [*exe["points"], *engine_pts]]
@@ -233,13 +237,16 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         f"{tiles.attention_tile_rows}, attention_ctas {tiles.attention_ctas} (grid steps' "
         f"rms log error {grid_rms:.3f})")
     steps = retile(steps, spec, tiles)
-    mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
-                                                  b.hbm_bytes_per_s, per_seq=per_seq,
-                                                  per_prefill=per_prefill, gemm_shape=shape)
+    (mfu, mbu, fixed, rms, attn_mfu), kept = robust_fit_roofline(
+        steps, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s, per_seq=per_seq,
+        per_prefill=per_prefill, gemm_shape=shape)
+    log(f"step-time fit: {kept.count(False)} of {len(kept)} steps left out as disturbed "
+        "(off the first fit by more than 3x the median error)")
     rows = [{"step": p.label, "measured_s": p.seconds,
              "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
-                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill, shape)}
-            for p in steps]
+                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill, shape),
+             "kept": k}
+            for p, k in zip(steps, kept, strict=True)]
     log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms + "
         f"{per_seq * 1e6:.1f} us/seq host): mfu {mfu:.4f}, attention_mfu {attn_mfu:.4f}, "
         f"mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step (rms log error {rms:.3f})")
