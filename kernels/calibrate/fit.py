@@ -284,11 +284,11 @@ def robust_fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, h
     points were kept.
 
     A GPU replay's steps include a few disturbed by one-time costs: the first step at
-    a new row count loads its cuBLAS kernel (lazy module loading: 5-15 ms where the
-    step takes 2), a collector pause. Squared log error lets those few tilt the fit:
-    on an H100 (2026-11-25) 13 of 170 steps took the rms log error to 0.27 and the
-    fitted HBM efficiency from ~0.73 to 0.56, and every decode step came out 10-25%
-    slow. Steps off by more than ``TRIM_FACTOR`` x the median log error (and
+    a new row count likely loads its cuBLAS kernel (lazy module loading), a host stall.
+    Squared log error lets those few tilt the fit: on an H100 (2026-11-25) 16 of 170
+    steps (decode steps of 3.6-17 ms where others of their size took 2-3) took the rms
+    log error to 0.27 and the fitted HBM efficiency from ~0.71 to 0.56, and every decode
+    step came out 9-25% slow. Steps off by more than ``TRIM_FACTOR`` x the median log error (and
     ``TRIM_FLOOR``) are dropped and the rest refitted; the rms returned is the kept
     steps'.
     """
