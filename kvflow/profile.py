@@ -110,6 +110,10 @@ class GpuProfile:
     gemm_row_tile: float = 0.0
     attention_tile_rows: float = 0.0
     attention_ctas: float = 0.0
+    #: Host time to submit one load (a swap-in op) before the step that waits for it
+    #: (0: none, the presets): a request loading its prefix from host starts its prefill
+    #: this much later (``sim.executor``).
+    load_submit_s: float = 0.0
     # NVIDIA H100 SXM5 datasheet: NVLink 900 GB/s per GPU, both directions together,
     # i.e. 450 GB/s each way (H200 SXM: the same).
     nvlink_bytes_per_s: float = 450e9
@@ -142,7 +146,8 @@ def _problem(key: str, value: Any) -> str | None:
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
     if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s",
-               "nvlink_latency_s", "gemm_row_tile", "attention_tile_rows", "attention_ctas"):
+               "nvlink_latency_s", "gemm_row_tile", "attention_tile_rows", "attention_ctas",
+               "load_submit_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 

@@ -281,6 +281,8 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     for key, value in dataclasses.asdict(tiles).items():
         if value:
             profile[key] = value
+    if over.get("load_submit_s"):
+        profile["load_submit_s"] = over["load_submit_s"]
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
                         "tiles": dataclasses.asdict(tiles), "tiles_grid_rms": grid_rms,
@@ -341,7 +343,8 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         f"error {cal.fit.get('tiles_grid_rms', float('nan')):.3f}).",
         f"step_overhead_per_prefill_s adds each request's admission, "
         f"{cal.overhead.get('admission_s', 0.0) * 1e3:.3f} ms (arrival to its first step on "
-        "an idle engine, median of a spaced GPU replay).",
+        "an idle engine, median of a spaced GPU replay); load_submit_s what a load from host",
+        f"adds to it ({cal.overhead.get('load_submit_s', 0.0) * 1e3:.3f} ms, same replay).",
         "",
         *_replay_link_comments(cal),
         f"Isolated links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 "
