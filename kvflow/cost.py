@@ -12,7 +12,10 @@ writes). A step adds ``step_overhead_s`` plus ``step_overhead_per_seq_s`` per
 sequence in the batch and ``step_overhead_per_prefill_s`` per prefill item: the
 host's share grows with the batch it schedules. A calibrated profile may also
 carry ``gemm_efficiency``, the measured GEMM efficiency by rows (few rows
-stream the weights for little work), which divides the weight time.
+stream the weights for little work), which divides the weight time, and tile
+quantisation (``gemm_row_tile``, ``attention_tile_rows``, ``attention_ctas``: a GEMM's
+rows padded to its tile, prefill attention in whole waves of work items; see
+``padded_rows`` and ``prefill_wave_pairs``).
 It ignores activations and the MoE effect that a large batch touches more
 than the active experts.
 
