@@ -125,7 +125,7 @@ def replay_cmd(trace: Path, pools: tuple[int, int], out: Path, cuda: bool) -> st
     parts = [sys.executable, "cli.py", "replay", str(trace), "--model", MODEL,
              "--profile", str(PROFILE), "--device-blocks", str(pools[0]),
              "--host-blocks", str(pools[1]), "--storage-blocks", "0",
-             "--out", str(out), "--force"]
+             "--instances", "1", "--out", str(out), "--force"]
     if cuda:
         parts += ["--backend", "cuda"]
     return shlex.join(parts)

@@ -187,6 +187,41 @@ __device__ __forceinline__ void qk(float (&s)[MT][NT][4], const u32 (&qf)[MT][HD
   }
 }
 
+// qk with the Q fragments read from shared memory (Qw: the warp's 16 MT rows, [.][HD + 8])
+// instead of held in registers: 64 registers fewer at head dim 128 and two m-tiles, which
+// lets a warp hold S for 64-key tiles (half the per-tile softmax and barrier overhead).
+template <int HD, int NT, int MT>
+__device__ __forceinline__ void qk_smem(float (&s)[MT][NT][4], const u16* Qw, const u16* Ks,
+                                        const int kb) {
+  constexpr int LDS = HD + 8;
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+  const u16* base = Ks + (kb + ((lane >> 4) & 1) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8;
+  // A operand: matrix L/8 is rows +8 * ((L/8) & 1), dims +8 * (L/16): lane L gives row L % 16
+  const u16* qbase = Qw + (lane & 15) * LDS + (lane >> 4) * 8;
+#pragma unroll
+  for (int c = 0; c < HD / 16; ++c) {
+    u32 a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], qbase + mt * 16 * LDS + c * 16);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      u32 b[4];
+      ldmatrix_x4(b, base + np * 16 * LDS + c * 16);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_bf16(s[mt][2 * np], a[mt], b[0], b[1]);
+        mma_bf16(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
 // Online softmax on S (raw scores, masked ones -inf): updates m (scaled max), l (this
 // lane's partial sums), rescales o, and turns S into P.
 template <int HD, int NT, bool LAZY = false>
@@ -276,16 +311,19 @@ __device__ __forceinline__ void zero_state(float (&m)[2], float (&l)[2], float (
 // ------------------------------------------------------------------------------ prefill
 // CTA (query head, work item); work: int4 per item (row0, nrows <= 16 MT W, qpos0, table
 // offset). Warp w owns rows 16 MT w .. 16 MT (w + 1) - 1 as MT m-tiles. Shared: K and V,
-// ST stages of [BN][HD + 8] each (ST - 1 tiles in flight while one is computed). OPT: the
-// walking loader and lazy rescaling.
-template <int HD, int W, int BN, int MT, int ST, bool OPT>
+// ST stages of [BN][HD + 8] each (ST - 1 tiles in flight while one is computed). OPT bit 0:
+// the walking loader and lazy rescaling; bit 1: Q in shared memory ([16 MT W][HD + 8] before
+// the K/V stages), read by ldmatrix for each tile (qk_smem) instead of held in registers.
+template <int HD, int W, int BN, int MT, int ST, int OPT>
 __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                         const u64 vc_addr, const i64 block_stride, const int bt,
                                         const int kv_heads, const int group, const u64 work_addr,
                                         const u64 tables_addr, const u64 out_addr,
                                         const float scale) {
   constexpr int LDS = HD + 8, NT = BN / 8, TILE = BN * LDS, WR = 16 * MT;
-  u16* Ks = reinterpret_cast<u16*>(kvflow_fast_smem);
+  constexpr bool WALK = (OPT & 1) != 0, QS = (OPT & 2) != 0;
+  u16* Qs = reinterpret_cast<u16*>(kvflow_fast_smem);
+  u16* Ks = Qs + (QS ? W * WR * LDS : 0);
   u16* Vs = Ks + ST * TILE;
   const int head = blockIdx.x;
   const int* wk = reinterpret_cast<const int*>(work_addr) + 4 * (gridDim.y - 1 - blockIdx.y);
@@ -301,22 +339,33 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
   const bool active = r0 < nrows;
   const int w_first = qpos0 + min(r0, nrows - 1), w_last = qpos0 + min(r0 + WR - 1, nrows - 1);
   const int last = qpos0 + nrows - 1;
-  u32 qf[MT][HD / 16][4];
+  u32 qf[QS ? 1 : MT][HD / 16][4];
   int pos[MT][2];  // positions of this lane's rows (padding rows repeat the last real row)
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int r_lo = min(r0 + 16 * mt + g, nrows - 1), r_hi = min(r0 + 16 * mt + g + 8, nrows - 1);
     pos[mt][0] = qpos0 + r_lo;
     pos[mt][1] = qpos0 + r_hi;
-    load_q<HD>(qf[mt], qkv + static_cast<i64>(row0 + r_lo) * ld + head * HD,
-               qkv + static_cast<i64>(row0 + r_hi) * ld + head * HD);
+    if constexpr (!QS) {
+      load_q<HD>(qf[mt], qkv + static_cast<i64>(row0 + r_lo) * ld + head * HD,
+                 qkv + static_cast<i64>(row0 + r_hi) * ld + head * HD);
+    }
   }
+  if constexpr (QS) {  // the CTA's rows into Qs (16-byte chunks; padding rows repeat the last)
+    constexpr int kCh = HD / 8;
+    for (int c = threadIdx.x; c < W * WR * kCh; c += 32 * W) {
+      const int r = c / kCh, ch = c % kCh;
+      const int src = min(r, nrows - 1);
+      *reinterpret_cast<uint4*>(Qs + r * LDS + ch * 8) = *reinterpret_cast<const uint4*>(
+          qkv + static_cast<i64>(row0 + src) * ld + head * HD + ch * 8);
+    }
+  }  // (the main loop's first barrier comes before any warp reads them)
   float m[MT][2], l[MT][2], o[MT][HD / 8][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) zero_state<HD>(m[mt], l[mt], o[mt]);
   const int ntiles = last / BN + 1;
   auto load = [&](int stage, int k0) {
-    if (OPT) {
+    if constexpr (WALK) {
       load_kv_walk<HD, BN, 32 * W>(Ks + stage * TILE, Vs + stage * TILE, kc, vc, table, k0, last,
                                    bt, block_stride, kv_dim, kvh);
     } else {
@@ -339,7 +388,11 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
     const int cur = (j % ST) * TILE;
     if (active && k0 <= w_last) {
       float s[MT][NT][4];
-      qk<HD, NT, MT>(s, qf, Ks + cur, 0);
+      if constexpr (QS) {
+        qk_smem<HD, NT, MT>(s, Qs + r0 * LDS, Ks + cur, 0);
+      } else {
+        qk<HD, NT, MT>(s, qf, Ks + cur, 0);
+      }
       if (k0 + BN - 1 > w_first) {  // the tile crosses this warp's diagonal: mask
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -351,7 +404,7 @@ __device__ __forceinline__ void prefill(const u64 qkv_addr, const int ld, const 
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        softmax_step<HD, NT, OPT>(s[mt], scale, m[mt], l[mt], o[mt]);
+        softmax_step<HD, NT, WALK>(s[mt], scale, m[mt], l[mt], o[mt]);
       }
       pv<HD, NT, MT>(o, s, Vs + cur, 0);
     }
@@ -522,7 +575,10 @@ __device__ __forceinline__ void decode(const u64 qkv_addr, const int ld, const u
   KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 3, 0)    \
   KVFLOW_FAST_PREFILL(HD, 8, 32, 2, 2, 0)    \
   KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 2, 1)    \
-  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 3, 1)
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 3, 1)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 64, 2, 2, 3)    \
+  KVFLOW_FAST_PREFILL(HD, 4, 32, 2, 2, 3)    \
+  KVFLOW_FAST_PREFILL(HD, 8, 64, 2, 2, 3)
 KVFLOW_FAST_PREFILL_ALL(64)
 KVFLOW_FAST_PREFILL_ALL(128)
 KVFLOW_FAST_DECODE(64, 4, 3)

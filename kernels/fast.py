@@ -46,13 +46,17 @@ DEFAULT_EXECUTOR = "fast"
 #: K/V tile, K/V tiles in shared memory, opt). A work item is 16 * warps * m-tiles rows.
 #: More rows a warp share each K/V fragment it reads from shared memory (less traffic per
 #: MMA) for more registers; opt: one block-table division per tile instead of per chunk, O
-#: rescaled only when a row's max moved. On an H100 (benchmarks/results/gpu_executor.md),
-#: 8k causal tokens: w4m2n32o 0.288 of the bf16 peak (16-token blocks), w8m2n32 0.252,
+#: rescaled only when a row's max moved (bit 0); bit 1 ("q" names): Q read from shared
+#: memory for each tile instead of held in registers, which frees 64 registers for 64-key
+#: tiles. On an H100 (benchmarks/results/gpu_executor.md), 8k causal tokens: w4m2n32o
+#: 0.288 of the bf16 peak (16-token blocks), w8m2n32 0.252,
 #: w4m2n32 0.240, w8m1n64 0.236; at 1k tokens w8m1n64 is best (0.120, w4m2n32o 0.103).
 PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
                     "w4m2n32": (4, 2, 32, 2, 0), "w4m2n64": (4, 2, 64, 2, 0),
                     "w4m2n32s3": (4, 2, 32, 3, 0), "w8m2n32": (8, 2, 32, 2, 0),
-                    "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1)}
+                    "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1),
+                    "w4m2n64q": (4, 2, 64, 2, 3), "w4m2n32q": (4, 2, 32, 2, 3),
+                    "w8m2n64q": (8, 2, 64, 2, 3)}
 DEFAULT_PREFILL = "w4m2n32o"
 #: Keys per K/V tile of the decode kernel (16 per warp).
 _BN = 64
@@ -172,6 +176,8 @@ class FastExecutor(GpuExecutor):
             fn = self._mod.get_function(
                 f"kvflow_fast_prefill_hd{hd}_w{warps}_m{mtiles}_n{keys}_s{stages}_o{opt}")
             smem = stages * 2 * keys * (hd + 8) * 2  # K and V, padded rows
+            if opt & 2:  # and Q (the CTA's rows)
+                smem += 16 * warps * mtiles * (hd + 8) * 2
             fn.max_dynamic_shared_size_bytes = smem
         self._fn["fast_prefill"], self._smem_prefill = fn, smem
         self.prefill, self.prefill_threads = name, 32 * warps

@@ -101,6 +101,19 @@ class GpuProfile:
     step_overhead_per_prefill_s: float = 0.0
     pcie_duplex: float = 1.0
     gemm_efficiency: tuple[tuple[float, float], ...] = ()
+    #: Tile quantisation of the executor's kernels (0: off, the presets). ``gemm_row_tile``:
+    #: a weight GEMM over more rows than this costs as over the next multiple of it (the
+    #: GEMM library's row tiles). ``attention_tile_rows``: query rows of a prefill
+    #: attention work item (one CTA per item and query head); ``attention_ctas``: work
+    #: items the GPU runs at once (SMs x CTAs per SM). With both set, prefill attention
+    #: costs whole waves of items (``kvflow.cost.prefill_wave_pairs``).
+    gemm_row_tile: float = 0.0
+    attention_tile_rows: float = 0.0
+    attention_ctas: float = 0.0
+    #: Host time to submit one load (a swap-in op) before the step that waits for it
+    #: (0: none, the presets): a request loading its prefix from host starts its prefill
+    #: this much later (``sim.executor``).
+    load_submit_s: float = 0.0
     # NVIDIA H100 SXM5 datasheet: NVLink 900 GB/s per GPU, both directions together,
     # i.e. 450 GB/s each way (H200 SXM: the same).
     nvlink_bytes_per_s: float = 450e9
@@ -133,7 +146,8 @@ def _problem(key: str, value: Any) -> str | None:
     if key == "attention_mfu":
         return None if 0 <= value <= 1 else f"must be in [0, 1] (0: same as mfu), got {value!r}"
     if key in ("step_overhead_s", "step_overhead_per_seq_s", "step_overhead_per_prefill_s",
-               "nvlink_latency_s"):
+               "nvlink_latency_s", "gemm_row_tile", "attention_tile_rows", "attention_ctas",
+               "load_submit_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
 
@@ -174,6 +188,30 @@ _NVME_WRITE = Link(3e9, 100e-6, overlap_latency=True)
 _STEP_OVERHEAD_S = 0.5e-3
 
 #: Preset profiles by name.
+#:
+#: What is measured and what is a guess (checked 2026-11-25 against ``kvflow calibrate``
+#: of the fast executor on a lent NVIDIA H100 80GB HBM3, SXM, 132 SMs; that profile is
+#: ``sim/profiles/h100-fast-calibrated.toml``, the exact executor's ``h100-calibrated``):
+#:
+#: * datasheet, kept: ``peak_bf16_flops``, ``hbm_bytes_per_s``, ``memory_bytes`` (the
+#:   H100 reported 79.2 GiB usable), NVLink bandwidth;
+#: * measured: the H100's PCIe ceiling, 55 GB/s each way (DESIGN.md; calibrations read
+#:   53-55 GB/s one way per layer unit, 0.88-0.91 of it with both ways busy: the
+#:   presets' ``pcie_duplex`` 1.0 is optimistic by that much);
+#: * guesses, kept so that every report and pinned digest stays as it was: ``mfu`` 0.5
+#:   (measured for kvflow's fast executor on the H100: weight GEMMs 0.62-0.66 of the
+#:   peak, cuBLAS, 1k-8k rows; prefill attention 0.30-0.31, its own ``attention_mfu``;
+#:   a serving engine on FlashAttention-3 reaches more), ``mbu`` 1.0 (measured: 0.71),
+#:   ``step_overhead_s`` 0.5 ms (measured for kvflow's Python executor: 0.9 ms a step
+#:   + 18 us a sequence + 0.87 ms a prefill item with its admission; a CUDA-graph
+#:   engine spends less), the 3 us per-copy latency (measured 14-18 us per layer unit
+#:   of the executor's batched copies), NVMe figures (vendor sheets; no storage tier
+#:   was measured) and the NVLink step latency;
+#: * h200 and a100: datasheet peaks and links; every efficiency and overhead is the
+#:   h100's guess, not measured (no H200 or A100 calibration yet).
+#:
+#: For the fast executor's measured numbers, pass ``--profile
+#: sim/profiles/h100-fast-calibrated.toml``.
 PROFILES: dict[str, GpuProfile] = {
     # NVIDIA H100 SXM5 80GB datasheet: BF16 tensor 1,979 TFLOPS *with sparsity*,
     # i.e. 989.4 TFLOP/s dense; HBM3 3.35 TB/s; 80 GB. PCIe Gen5 x16: DESIGN.md's

@@ -50,6 +50,8 @@ class SimExecutor:
         self.cost = cost
         self.num_layers = num_layers
         self.busy_s = 0.0
+        #: Host time per load a step waits on, spent before it starts (profile key).
+        self._load_submit_s = cost.profile.load_submit_s
         # The last step: its start, its batch, and its layers' ends where it was run
         # layer by layer (else they follow from the cost model).
         self._last_start = 0.0
@@ -59,6 +61,10 @@ class SimExecutor:
 
     async def run_step(self, batch: StepBatch, waits: Sequence[TransferTask]) -> None:
         loop = asyncio.get_running_loop()
+        if waits and self._load_submit_s:  # the host submits the loads, then the step
+            submit = self._load_submit_s * len(waits)
+            self.busy_s += submit
+            await asyncio.sleep(submit)
         self._last_start = loop.time()
         self._last_batch = batch
         self._last_ends = None

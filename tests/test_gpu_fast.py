@@ -160,9 +160,10 @@ def _emitted(ex: Any, items: list[StepItem]) -> np.ndarray:
 @pytest.mark.gpu
 @pytest.mark.parametrize(("spec", "prefill", "split"),
                          [(SPEC, "w8m1n64", None), (SPEC, "w4m2n32", 32),
-                          (SPEC, "w4m2n32o", None),
+                          (SPEC, "w4m2n32o", None), (SPEC, "w4m2n64q", None),
                           *[(SPEC128, v, None) for v in PREFILL_VARIANTS]],
                          ids=["hd64-w8m1n64", "hd64-w4m2n32-split32", "hd64-w4m2n32o",
+                              "hd64-w4m2n64q",
                               *[f"hd128-{v}" for v in PREFILL_VARIANTS]])
 def test_fast_matches_numpy_reference(spec: ModelSpec, prefill: str, split: int | None) -> None:
     """Chunked prefills, a long-context decode split several ways, a mixed step: the fast

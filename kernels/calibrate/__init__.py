@@ -48,16 +48,27 @@ from kernels.calibrate.fit import (
     Log,
     RooflineFit,
     StepPoint,
+    Tiles,
+    choose_tiles,
     fit_link,
     fit_roofline,
     pcie_duplex,
     render_profile,
+    retile,
+    robust_fit_roofline,
     roofline,
     step_point,
     step_terms,
+    tile_candidates,
     write_profile,
 )
-from kernels.calibrate.host_share import HostShare, host_share_fit, measure_step_overhead
+from kernels.calibrate.host_share import (
+    HostShare,
+    admission_delays,
+    host_share_fit,
+    measure_admission,
+    measure_step_overhead,
+)
 from kernels.calibrate.links import (
     REPLAY_LINK_OUTPUT,
     REPLAY_LINK_SIZES,
@@ -81,10 +92,14 @@ __all__ = [
     "Log",
     "RooflineFit",
     "StepPoint",
+    "Tiles",
+    "admission_delays",
     "calibrate",
+    "choose_tiles",
     "fit_link",
     "fit_roofline",
     "host_share_fit",
+    "measure_admission",
     "measure_backend_links",
     "measure_executor",
     "measure_matmuls",
@@ -95,10 +110,13 @@ __all__ = [
     "pcie_duplex",
     "profile_comments",
     "render_profile",
+    "retile",
+    "robust_fit_roofline",
     "roofline",
     "scattered_op_seconds",
     "step_point",
     "step_terms",
+    "tile_candidates",
     "write_profile",
 ]
 
@@ -123,8 +141,9 @@ class Calibration:
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["executor"]["points"] = [dataclasses.asdict(p) if isinstance(p, StepPoint) else p
-                                   for p in self.executor["points"]]
+        for key in ("points", "engine_points"):
+            d["executor"][key] = [dataclasses.asdict(p) if isinstance(p, StepPoint) else p
+                                  for p in self.executor.get(key, [])]
         return d
 
 
@@ -184,6 +203,11 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
             if v is not None}
     over = measure_step_overhead(spec, log, backend_options=opts)
     gc.collect()
+    try:
+        over.update(measure_admission(spec, log, backend_options=opts))
+    except (ValueError, ConfigError) as exc:  # steps and requests did not pair up
+        log(f"admission not measured ({exc}): the profile charges none")
+    gc.collect()
     replay_links = measure_replay_links(spec, log, raw, backend_options=opts)
     gc.collect()
     # The profile's links: as a replay sees them where that replay gave enough ops,
@@ -195,6 +219,7 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     host, per_seq = over["host_fixed_s"], over["host_per_seq_s"]
     per_prefill = over["host_per_prefill_s"]
     engine_pts = over.pop("points")
+    exe["engine_points"] = engine_pts  # (in the JSON: a refit needs their batches)
     steps = [dataclasses.replace(p, seconds=p.seconds + host + per_seq * p.seqs
                                  + per_prefill * p.prefills)
              for p in [*exe["points"], *engine_pts]]
@@ -202,13 +227,26 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     curve = [(float(m), round(min(v["flops"] / b.peak_bf16_flops, 1.0), 5))
              for m, v in sorted(exe["gemm"].items())]
     shape = gemm_shape(curve)
-    mfu, mbu, fixed, rms, attn_mfu = fit_roofline(steps, spec.num_layers, b.peak_bf16_flops,
-                                                  b.hbm_bytes_per_s, per_seq=per_seq,
-                                                  per_prefill=per_prefill, gemm_shape=shape)
+    # Tile quantisation (GEMM row tiles, waves of prefill attention CTAs): whichever fits
+    # the isolated grid steps best, off unless one does.
+    grid = steps[:len(exe["points"])]
+    tiles, grid_rms = choose_tiles(grid, spec, b.peak_bf16_flops, b.hbm_bytes_per_s,
+                                   tile_candidates(exe.get("prefill_rows", 0), exe.get("sms", 0)),
+                                   per_seq=per_seq, per_prefill=per_prefill, gemm_shape=shape)
+    log(f"tile quantisation: gemm_row_tile {tiles.gemm_row_tile}, attention_tile_rows "
+        f"{tiles.attention_tile_rows}, attention_ctas {tiles.attention_ctas} (grid steps' "
+        f"rms log error {grid_rms:.3f})")
+    steps = retile(steps, spec, tiles)
+    (mfu, mbu, fixed, rms, attn_mfu), kept = robust_fit_roofline(
+        steps, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s, per_seq=per_seq,
+        per_prefill=per_prefill, gemm_shape=shape)
+    log(f"step-time fit: {kept.count(False)} of {len(kept)} steps left out as disturbed "
+        "(off the first fit by more than 3x the median error)")
     rows = [{"step": p.label, "measured_s": p.seconds,
              "predicted_s": roofline(p, spec.num_layers, b.peak_bf16_flops, b.hbm_bytes_per_s,
-                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill, shape)}
-            for p in steps]
+                                     mfu, mbu, fixed, attn_mfu, per_seq, per_prefill, shape),
+             "kept": k}
+            for p, k in zip(steps, kept, strict=True)]
     log(f"step-time fit on {len(rows)} steps (GPU time + {host * 1e3:.3f} ms + "
         f"{per_seq * 1e6:.1f} us/seq host): mfu {mfu:.4f}, attention_mfu {attn_mfu:.4f}, "
         f"mbu {mbu:.4f}, fixed {fixed * 1e3:.3f} ms per step (rms log error {rms:.3f})")
@@ -230,7 +268,9 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "hbm_bytes_per_s": b.hbm_bytes_per_s, "mbu": round(mbu, 5),
         "memory_bytes": float(total), "step_overhead_s": fixed,
         "step_overhead_per_seq_s": per_seq,
-        "step_overhead_per_prefill_s": per_prefill,
+        # a prefill item also pays its request's admission (arrival to first step, engine
+        # idle): host time the gaps between a busy engine's steps do not show
+        "step_overhead_per_prefill_s": per_prefill + over.get("admission_s", 0.0),
         "h2d": {"bandwidth_Bps": profile_links["h2d"]["bandwidth_Bps"],
                 "latency_s": profile_links["h2d"]["latency_s"]},
         "d2h": {"bandwidth_Bps": profile_links["d2h"]["bandwidth_Bps"],
@@ -238,8 +278,14 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
         "pcie_duplex": pcie_duplex(links),
         "gemm_efficiency": [[int(t), e] for t, e in curve],
     }
+    for key, value in dataclasses.asdict(tiles).items():
+        if value:
+            profile[key] = value
+    if over.get("load_submit_s"):
+        profile["load_submit_s"] = over["load_submit_s"]
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
+                        "tiles": dataclasses.asdict(tiles), "tiles_grid_rms": grid_rms,
                         "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
                         "host_per_prefill_s": per_prefill,
                         "rms_log_error": rms, "steps": rows},
@@ -293,6 +339,12 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
         "misses (small-M GEMMs stream weights far below HBM speed), and",
         "step_overhead_per_seq_s / _per_prefill_s the host's growth per sequence and per",
         "prefill item.",
+        f"Tile quantisation chosen on the grid steps: {cal.fit.get('tiles')} (grid rms log "
+        f"error {cal.fit.get('tiles_grid_rms', float('nan')):.3f}).",
+        f"step_overhead_per_prefill_s adds each request's admission, "
+        f"{cal.overhead.get('admission_s', 0.0) * 1e3:.3f} ms (arrival to its first step on "
+        "an idle engine, median of a spaced GPU replay); load_submit_s what a load from host",
+        f"adds to it ({cal.overhead.get('load_submit_s', 0.0) * 1e3:.3f} ms, same replay).",
         "",
         *_replay_link_comments(cal),
         f"Isolated links: CudaBackend ops ({lk.get('copy_path', 'swap kernel')}) of 1..16 "

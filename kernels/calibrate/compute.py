@@ -57,7 +57,11 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     # where a long-context replay spends its time.
     prefills = [(512, 0), (2048, 0), (8192, 0), (1024, 2048), (1024, 4096), (4096, 4096),
                 (2048, 8192), (8192, 8192), (4096, 16384), (1024, 32768), (256, 4096),
-                (8192, 16384), (8192, 32768), (2048, 32768)]
+                (8192, 16384), (8192, 32768), (2048, 32768),
+                # just past a wave of prefill attention CTAs / a GEMM row tile, and short
+                # of it: where tile quantisation shows (Tiles in kernels.calibrate.fit)
+                (1024, 3072), (1056, 3072), (1088, 4096), (1152, 4096), (1280, 4096),
+                (1536, 4096), (960, 4096)]
     decodes = [(1, 1024), (8, 4096), (32, 4096), (32, 8192), (64, 2048)]
     mixed = [((2048, 0), (16, 4096))]
     need = max(max(-(-(n + c) // bt) for n, c in prefills),
@@ -141,7 +145,9 @@ async def measure_executor(spec: ModelSpec, log: Log, reps: int = 3,
     log("executor attention (extra context): " + ", ".join(
         f"{k}: {v / 1e12:.0f} TFLOP/s" for k, v in att.items()))
     backend.synchronize()
-    return {"points": points, "gemm": gemm, "attention_flops": att}
+    return {"points": points, "gemm": gemm, "attention_flops": att,
+            "prefill_rows": int(getattr(ex, "prefill_rows", 0)),
+            "sms": int(cp.cuda.runtime.getDeviceProperties(ex.device)["multiProcessorCount"])}
 
 
 #: Prompt sizes (blocks) of the links replay: the engine's common small ops three times

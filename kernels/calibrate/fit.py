@@ -105,6 +105,9 @@ class StepPoint:
     seqs: int = 0
     prefills: int = 0
     tokens: int = 0
+    #: The batch itself, (prefill (new, context) pairs, decode contexts): what a refit
+    #: under other tile settings (``retile``) recomputes the terms from.
+    batch: tuple[tuple[tuple[int, int], ...], tuple[int, ...]] = ((), ())
 
 
 def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
@@ -114,10 +117,21 @@ def step_terms(spec: ModelSpec, prefill: Sequence[tuple[int, int]],
     return p.flops, p.nbytes
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """The cost model's tile quantisation (``GpuProfile.gemm_row_tile``,
+    ``attention_tile_rows``, ``attention_ctas``; 0 = off)."""
+
+    gemm_row_tile: int = 0
+    attention_tile_rows: int = 0
+    attention_ctas: int = 0
+
+
 def step_point(label: str, spec: ModelSpec, prefill: Sequence[tuple[int, int]],
-               decode: Sequence[int], seconds: float) -> StepPoint:
-    """A measured step in ``kvflow.cost.CostModel``'s terms (tokens, attention pairs, KV bytes)."""
-    from kvflow.cost import CostModel
+               decode: Sequence[int], seconds: float, tiles: Tiles = Tiles()) -> StepPoint:
+    """A measured step in ``kvflow.cost.CostModel``'s terms (tokens, attention pairs, KV
+    bytes), with ``tiles``' quantisation as the cost model applies it."""
+    from kvflow.cost import CostModel, padded_rows, prefill_wave_pairs
     from kvflow.profile import PROFILES
 
     cm = CostModel(spec, PROFILES["h100"])
@@ -128,10 +142,22 @@ def step_point(label: str, spec: ModelSpec, prefill: Sequence[tuple[int, int]],
         tokens += new
         pairs += new * (ctx + new * 0.5)
         kv += ctx + new
+    if tiles.attention_tile_rows and tiles.attention_ctas and prefill:
+        heads = spec.num_attention_heads or spec.num_kv_heads
+        pairs = float(sum(decode)) + prefill_wave_pairs(
+            prefill, heads, tiles.attention_tile_rows, tiles.attention_ctas)
+    rows = padded_rows(tokens, tiles.gemm_row_tile)
     attn = cm.attention_flops_per_pair * pairs
-    return StepPoint(label, cm.weight_flops_per_token * tokens + attn,
+    batch = (tuple((int(n), int(c)) for n, c in prefill), tuple(int(d) for d in decode))
+    return StepPoint(label, cm.weight_flops_per_token * rows + attn,
                      cm.weight_bytes + cm.kv_bytes_per_token * kv, seconds, attn,
-                     len(prefill) + len(decode), len(prefill), tokens)
+                     len(prefill) + len(decode), len(prefill), rows, batch)
+
+
+def retile(points: Sequence[StepPoint], spec: ModelSpec, tiles: Tiles) -> list[StepPoint]:
+    """``points`` with their terms recomputed under ``tiles`` (same batches, same times)."""
+    return [step_point(p.label, spec, p.batch[0], p.batch[1], p.seconds, tiles)
+            for p in points]
 
 
 def roofline(point: StepPoint, layers: int, peak: float, hbm: float, mfu: float,
@@ -219,6 +245,64 @@ def fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: flo
                                 around(b), fine_c)
         width, step = width ** 0.5, step / 2
     return RooflineFit(a, b, c, math.sqrt(e), a2 if split else a)
+
+
+def choose_tiles(points: Sequence[StepPoint], spec: ModelSpec, peak: float, hbm: float,
+                 candidates: Sequence[Tiles], **fit_kwargs: Any) -> tuple[Tiles, float]:
+    """The tile quantisation among ``candidates`` under which ``fit_roofline`` fits
+    ``points`` best (least rms log error), and that error. Ties go to the earlier
+    candidate, so list "off" (``Tiles()``) first: it is kept unless a tiling fits better.
+    """
+    best: tuple[Tiles, float] | None = None
+    for tiles in candidates:
+        rms = fit_roofline(retile(points, spec, tiles), spec.num_layers, peak, hbm,
+                           **fit_kwargs).rms
+        if best is None or rms < best[1]:
+            best = (tiles, rms)
+    if best is None:
+        raise ValueError("choose_tiles needs candidates")
+    return best
+
+
+def tile_candidates(prefill_rows: int, sms: int) -> list[Tiles]:
+    """Tilings ``kvflow calibrate`` tries: off first, GEMM row tiles of 128 and 256, prefill
+    attention waves of one or two CTAs per SM (``prefill_rows`` rows an item)."""
+    gemm = (0, 128, 256)
+    ctas = (0, sms, 2 * sms) if prefill_rows > 0 and sms > 0 else (0,)
+    return [Tiles(g, prefill_rows if c else 0, c) for c in ctas for g in gemm]
+
+
+#: ``robust_fit_roofline``: a step whose log error under the first fit exceeds this many
+#: times the median one (and ``TRIM_FLOOR``) is left out of the second.
+TRIM_FACTOR = 3.0
+TRIM_FLOOR = 0.05
+
+
+def robust_fit_roofline(points: Sequence[StepPoint], layers: int, peak: float, hbm: float,
+                        **kwargs: Any) -> tuple[RooflineFit, list[bool]]:
+    """``fit_roofline``, then again without the steps it fits worst; the fit and which
+    points were kept.
+
+    A GPU replay's steps include a few disturbed by one-time costs: the first step at
+    a new row count likely loads its cuBLAS kernel (lazy module loading), a host stall.
+    Squared log error lets those few tilt the fit: on an H100 (2026-11-25) 16 of 170
+    steps (decode steps of 3.6-17 ms where others of their size took 2-3) took the rms
+    log error to 0.27 and the fitted HBM efficiency from ~0.71 to 0.56, and every decode
+    step came out 9-25% slow. Steps off by more than ``TRIM_FACTOR`` x the median log error (and
+    ``TRIM_FLOOR``) are dropped and the rest refitted; the rms returned is the kept
+    steps'.
+    """
+    first = fit_roofline(points, layers, peak, hbm, **kwargs)
+    shape = kwargs.get("gemm_shape")
+    err = np.array([abs(math.log(roofline(
+        p, layers, peak, hbm, first.mfu, first.mbu, first.overhead, first.attention_mfu,
+        kwargs.get("per_seq", 0.0), kwargs.get("per_prefill", 0.0), shape) / p.seconds))
+        for p in points])
+    keep = err <= max(TRIM_FACTOR * float(np.median(err)), TRIM_FLOOR)
+    if keep.all() or keep.sum() < 3:
+        return first, [True] * len(points)
+    kept = [p for p, k in zip(points, keep, strict=True) if k]
+    return fit_roofline(kept, layers, peak, hbm, **kwargs), [bool(k) for k in keep]
 
 
 def pcie_duplex(links: dict[str, Any]) -> float:

@@ -8,6 +8,7 @@ per prefill item (``host_share_fit``).
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -130,3 +131,80 @@ def measure_step_overhead(spec: ModelSpec, log: Log, requests: int = 24,
                            in zip(seqs, prefills, starts, starts[1:], gpus, strict=False)]}
 
 
+def admission_delays(arrivals: Sequence[float], first_tokens: Sequence[float],
+                     steps: Sequence[tuple[Any, ...]]) -> list[float]:
+    """Per request, arrival to the start of the step that gave its first token.
+
+    ``arrivals`` and ``first_tokens`` are on the replay's clock (its report), ``steps``
+    the executor's log (``start`` and ``wall`` on ``time.perf_counter``): a first token
+    is recorded as its step's wall time ends, so the clocks' offset is the median of
+    first token - (start + wall) over the steps that gave one (its spread was a few us
+    on an H100). Requests must not share a prefill step (one arrives after the last
+    finished): the k-th step with a prefill is the k-th request's.
+    """
+    pre_steps = [s for s in steps if s[0]]
+    if len(pre_steps) != len(arrivals) or len(first_tokens) != len(arrivals):
+        raise ValueError(f"{len(arrivals)} requests but {len(pre_steps)} prefill steps")
+    if not arrivals:
+        return []
+    off = float(np.median([ft - (s[4] + s[3]) for ft, s in zip(first_tokens, pre_steps,
+                                                                  strict=True)]))
+    return [s[4] + off - a for a, s in zip(arrivals, pre_steps, strict=True)]
+
+
+def measure_admission(spec: ModelSpec, log: Log, requests: int = 16, repeats: int = 8,
+                      gap_s: float = 0.03,
+                      backend_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Host time from a request's arrival to its first step, the engine idle before it,
+    and what a load from host adds to it.
+
+    A GPU replay of ``requests`` two-block prompts (4 output tokens), ``gap_s``
+    apart, so each finds the engine idle: the wake-up, admission (prefix lookup,
+    allocation, write-through backup submission), scheduling and step build that the
+    gaps between a busy engine's steps never show (in a replay whose requests all
+    arrive at once they overlap the GPU). On an H100 the fast executor's slice-B
+    turns waited 0.5-0.75 ms for it before their prefill step started, their TTFT's
+    largest part the cost model did not charge (benchmarks/results/gpu_suite_fast.md).
+    Then ``repeats`` requests reuse the first prompts plus one new block; the device
+    pool (8 blocks) has evicted those prompts by then, so each loads its two blocks
+    back from host in one op: the median extra delay over the fresh requests' is the
+    host's submission of a load (``load_submit_s``; slice B's turns with host hits
+    waited 1.0-1.45 ms).
+    """
+    import csv
+
+    from kernels.world import CudaWorld
+    from kvflow.replay import ReplayConfig, run_replay
+    from traces.schema import Request
+    from traces.writer import write_generic
+
+    bt, base = spec.block_tokens, 1 << 41
+    reqs = [Request(i, i * gap_s, 2 * bt, 4, (base + 2 * i, base + 2 * i + 1))
+            for i in range(requests)]
+    reqs += [Request(requests + j, (requests + j) * gap_s, 3 * bt, 4,
+                     (base + 2 * j, base + 2 * j + 1, base + 2 * requests + j))
+             for j in range(min(repeats, requests))]
+    step_log: list[Any] = []
+    with tempfile.TemporaryDirectory(prefix="kvflow-calibrate-") as tmp:
+        trace, out = Path(tmp) / "admission.jsonl", Path(tmp) / "requests.csv"
+        write_generic(reqs, trace, block_tokens=bt, source="kvflow calibrate")
+        cfg = ReplayConfig(trace=str(trace), model=spec.name, device_blocks=8,
+                           host_blocks=4 * len(reqs) + 8, storage_blocks=0, backend="cuda",
+                           executor="fast", instances=1)
+        run_replay(cfg, world=CudaWorld(backend_options or {}, step_log, None,
+                                        executor="fast"), requests_csv=out)
+        with out.open() as f:
+            rows = sorted(csv.DictReader(f), key=lambda r: int(r["request_id"]))
+    delays = admission_delays([float(r["arrival_s"]) for r in rows],
+                              [float(r["first_token_s"]) for r in rows], step_log)
+    fresh = [d for r, d in zip(rows, delays, strict=True)
+             if 0 < int(r["request_id"]) < requests and int(r["hits_host"]) == 0]
+    hit = [d for r, d in zip(rows, delays, strict=True) if int(r["hits_host"]) > 0]
+    admission = float(np.median(fresh or delays))
+    submit = max(float(np.median(hit)) - admission, 0.0) if hit else 0.0
+    log(f"admission: {admission * 1e3:.3f} ms from arrival to the first step, median of "
+        f"{len(fresh)} requests arriving at an idle engine "
+        f"(min {min(fresh or delays) * 1e3:.3f}, max {max(fresh or delays) * 1e3:.3f} ms); "
+        f"a load from host adds {submit * 1e3:.3f} ms ({len(hit)} requests with host hits)")
+    return {"admission_s": admission, "load_submit_s": submit,
+            "delays_s": [round(d, 7) for d in delays]}
