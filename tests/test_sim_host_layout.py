@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_sim_hierarchy import D2H, DISK, H2D, SPEC, GiB, MiB, Sink, op, setup
 
 from kvflow.errors import ConfigError
 from kvflow.replay import ReplayConfig
 from sim.hierarchy import Hierarchy, Link, SimBackend
-from tests.test_sim_hierarchy import D2H, DISK, GiB, H2D, MiB, SPEC, Sink, op, setup
 
 pytestmark = pytest.mark.virtual_time
 
