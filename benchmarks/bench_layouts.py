@@ -49,6 +49,8 @@ from kvflow.layout import preset
 
 LAYOUTS = "layer_major,layer_major/ce,grouped:2,grouped:4,grouped:8,block_major"
 SIZES_KB = "4,16,64,256,1024,2048"
+VARIANTS = ("grouped:4@1024:copy_only,block_major@1024:copy_only,grouped:4@1024:scatter_ctas=16,"
+            "grouped:4@1024:staging_mb=256,grouped:4@1024:slots=2,block_major@2048:staging_mb=256")
 
 
 def piece_per_token(spec: Any, layout: HostLayout) -> int:
@@ -60,8 +62,16 @@ def piece_per_token(spec: Any, layout: HostLayout) -> int:
     return layout.group_size(one.num_layers) * one.layout.bytes_per_layer_block
 
 
-def backend_for(spec: Any, layout: str, dma: str, blocks: int) -> CudaBackend:
-    return CudaBackend(spec, blocks, blocks, host_layout=layout, dma=dma, eager_layers=None)
+def backend_for(spec: Any, layout: str, dma: str, blocks: int, **kw: Any) -> CudaBackend:
+    return CudaBackend(spec, blocks, blocks, host_layout=layout, dma=dma, eager_layers=None,
+                       **kw)
+
+
+def streams(copier: Any, default: Any) -> tuple[Any, tuple[Any, ...]]:
+    """Where a copier's launches go (its head) and the other stream it uses (its tail)."""
+    head = getattr(copier, "head", default)
+    tail = getattr(copier, "tail", None)
+    return head, (() if tail is None or tail is head else (tail,))
 
 
 def fill(be: CudaBackend, rng: np.random.Generator) -> None:
@@ -83,11 +93,14 @@ def sms(be: CudaBackend, direction: str) -> int:
 
 
 def measure(spec: Any, layout: str, dma: str, total: int, reps: int,
-            rng: np.random.Generator, ceil: dict) -> dict:
+            rng: np.random.Generator, ceil: dict, copy_only: bool = False,
+            **kw: Any) -> dict:
     cp = cupy_module()
     n = max(2, total // spec.bytes_per_block)
     cap = 2 * n
-    be = backend_for(spec, layout, dma, cap)
+    be = backend_for(spec, layout, dma, cap, **kw)
+    if copy_only:
+        be.h2d.skip_kernel = be.d2h.skip_kernel = True
     fill(be, rng)
     src_in, dst_in = rng.permutation(cap)[:n], rng.permutation(cap)[:n]
     # the backup reads device blocks the load does not write
@@ -101,22 +114,21 @@ def measure(spec: Any, layout: str, dma: str, total: int, reps: int,
     prep_s = time.perf_counter() - t0
     p_out = be.d2h.prepare(src_out, dst_out, be.store_stream)
     groups = be.host_layout.groups(be.num_layers)
-    tails = [getattr(be.h2d, "tail", None), getattr(be.d2h, "tail", None)]
-    tail_in = tuple(t for t in tails[:1] if t is not None)
-    tail_out = tuple(t for t in tails[1:] if t is not None)
+    s_in, tail_in = streams(be.h2d, be.load_stream)
+    s_out, tail_out = streams(be.d2h, be.store_stream)
 
     def h2d() -> None:
         for a, c in groups:
-            be.h2d.launch(p_in, be.load_stream, a, c)
+            be.h2d.launch(p_in, s_in, a, c)
 
     def d2h() -> None:
         for a, c in groups:
-            be.d2h.launch(p_out, be.store_stream, a, c)
+            be.d2h.launch(p_out, s_out, a, c)
 
     def both() -> None:
         for a, c in groups:
-            be.h2d.launch(p_in, be.load_stream, a, c)
-            be.d2h.launch(p_out, be.store_stream, a, c)
+            be.h2d.launch(p_in, s_in, a, c)
+            be.d2h.launch(p_out, s_out, a, c)
 
     moved = n * spec.bytes_per_block
     t_launch = []
@@ -129,13 +141,13 @@ def measure(spec: Any, layout: str, dma: str, total: int, reps: int,
            "blocks": n, "bytes": moved, "pieces_per_op": pieces(be, n),
            "sms_h2d": sms(be, "h2d"), "sms_d2h": sms(be, "d2h"),
            "cpu_prepare_us": prep_s * 1e6, "cpu_launch_us": statistics.median(t_launch) * 1e6}
-    out["h2d"] = moved / gpu_time(h2d, be.load_stream, reps, tail_in) / ceil["h2d"]
-    out["d2h"] = moved / gpu_time(d2h, be.store_stream, reps, tail_out) / ceil["d2h"]
-    out["both"] = 2 * moved / gpu_time(both, be.load_stream, reps,
-                                       (be.store_stream, *tail_in, *tail_out)) / ceil["both"]
-    out["gpu_op_us"] = moved / (out["h2d"] * ceil["h2d"]) * 1e6
+    out["h2d"] = moved / gpu_time(h2d, s_in, reps, tail_in) / ceil["h2d"]
+    out["d2h"] = moved / gpu_time(d2h, s_out, reps, tail_out) / ceil["d2h"]
+    out["both"] = 2 * moved / gpu_time(both, s_in, reps, (s_out, *tail_in, *tail_out)
+                                       ) / ceil["both"]
     be.synchronize()
-    check(be, src_in, dst_in, src_out, dst_out, rng)
+    if not copy_only:
+        check(be, src_in, dst_in, src_out, dst_out, rng)
     p_in.release()
     p_out.release()
     return out  # (the caller frees the memory once this frame is gone)
@@ -173,21 +185,23 @@ def check(be: CudaBackend, src_in: np.ndarray, dst_in: np.ndarray, src_out: np.n
                                      f"pair {j}")
 
 
-def submit_cost(layout: str, dma: str, block_tokens: int, pieces_per_op: int,
-                reps: int, max_op_bytes: int = 5 << 29) -> dict | None:
-    """CPU time of ``prepare`` + every launch of one load of ``pieces_per_op`` pieces."""
+def submit_cost(layout: str, dma: str, block_tokens: int, pieces_per_op: int | None,
+                reps: int, max_op_bytes: int = 5 << 29, blocks: int = 16) -> dict | None:
+    """CPU time of ``prepare`` + every launch of one load of ``pieces_per_op`` pieces
+    (``None``: of ``blocks`` blocks, whatever their pieces)."""
     cp = cupy_module()
     spec = preset("llama-3-8b", block_tokens=block_tokens)
     lay = HostLayout.parse(layout)
     per_block = (spec.num_layers * len(spec.layout.roles) if not lay.block_contiguous
                  else len(lay.groups(spec.num_layers)))
-    n = max(1, pieces_per_op // per_block)
+    n = blocks if pieces_per_op is None else max(1, pieces_per_op // per_block)
     if n * spec.bytes_per_block > max_op_bytes:
         return None
     cap = n + n // 8 + 1
     be = backend_for(spec, layout, dma, cap)
     rng = np.random.default_rng(0)
     groups = be.host_layout.groups(be.num_layers)
+    head, _ = streams(be.h2d, be.load_stream)
     prep_t, launch_t, gpu_t = [], [], []
     for i in range(reps + 3):
         src, dst = rng.permutation(cap)[:n].tolist(), rng.permutation(cap)[:n].tolist()
@@ -195,10 +209,10 @@ def submit_cost(layout: str, dma: str, block_tokens: int, pieces_per_op: int,
         prep = be.h2d.prepare(src, dst, be.load_stream)
         t1 = time.perf_counter()
         start = cp.cuda.Event()
-        start.record(be.load_stream)
+        start.record(head)
         t2 = time.perf_counter()
         for a, c in groups:
-            be.h2d.launch(prep, be.load_stream, a, c)
+            be.h2d.launch(prep, head, a, c)
         t3 = time.perf_counter()
         end = cp.cuda.Event()
         end.record(getattr(be.h2d, "tail", be.load_stream))
@@ -228,6 +242,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--submit-block-tokens", default="16,64",
                     help="block sizes of the submit-cost section (0: skip it)")
+    ap.add_argument("--variants", default=VARIANTS,
+                    help="extra rows LAYOUT@KIB[:key=value] with key scatter_ctas, "
+                         "staging_mb, slots or copy_only (diagnostic: no D2D step)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -264,18 +281,46 @@ def main() -> None:
                   f" h2d {r['h2d']:.3f}  d2h {r['d2h']:.3f}  both {r['both']:.3f}  SMs "
                   f"{r['sms_h2d']}/{r['sms_d2h']}  CPU launch {r['cpu_launch_us']:.0f} us",
                   flush=True)
+    for v in (x for x in args.variants.split(",") if x):
+        layout, _, rest = v.partition("@")
+        kb_s, _, opt = rest.partition(":")
+        kb = int(kb_s)
+        kw: dict[str, Any] = {}
+        copy_only = False
+        key, _, val = opt.partition("=")
+        if key == "copy_only":
+            copy_only = True
+        elif key == "scatter_ctas":
+            kw["scatter_ctas"] = int(val)
+        elif key == "staging_mb":
+            kw["device_staging_bytes"] = int(val) << 20
+        elif key == "slots":
+            kw["staging_slots"] = int(val)
+        elif key:
+            raise SystemExit(f"--variants: unknown key {key!r} in {v!r}")
+        lay = HostLayout.parse(layout)
+        bt, rem = divmod(kb << 10, piece_per_token(base, lay))
+        if bt < 1 or rem:
+            continue
+        spec = preset("llama-3-8b", block_tokens=bt)
+        r = measure(spec, layout, "auto", total, args.reps, rng, ceil, copy_only, **kw)
+        free_memory()
+        r["label"], r["piece_kb"] = f"{layout} [{opt}]", kb
+        rows.append(r)
+        print(f"  {r['label']:28s} piece {kb:5d} KiB: h2d {r['h2d']:.3f}  d2h {r['d2h']:.3f}  "
+              f"both {r['both']:.3f}", flush=True)
     subs = []
     for bt in (int(x) for x in args.submit_block_tokens.split(",") if int(x)):
-        for entry in args.layouts.split(","):
-            layout, _, mode = entry.partition("/")
-            dma = "always" if mode == "ce" else "auto"
-            if mode != "ce" and layout == "layer_major" and bt < 64:
-                continue  # (the kernel path: not a copy-engine submit)
-            r = submit_cost(layout, dma, bt, 1024, args.reps * 4)
-            free_memory()
-            if r is not None:
-                r["label"] = entry
-                subs.append(r)
+        for pieces_op in (None, 1024):
+            for entry in args.layouts.split(","):
+                layout, _, mode = entry.partition("/")
+                dma = "always" if mode == "ce" else "auto"
+                r = submit_cost(layout, dma, bt, pieces_op, args.reps * 4)
+                free_memory()
+                if r is not None:
+                    r["label"] = entry
+                    r["op"] = "16 blocks" if pieces_op is None else "1,024 pieces"
+                    subs.append(r)
     print(f"\n### Fraction of the contiguous ceiling (h2d {ceil['h2d'] / 1e9:.1f}, d2h "
           f"{ceil['d2h'] / 1e9:.1f}, both {ceil['both'] / 1e9:.1f} GB/s), llama-3-8b, "
           f"{args.total_mb} MiB of scattered blocks per measurement")
@@ -291,13 +336,14 @@ def main() -> None:
         print(f"best: {best['label']} at {best['piece_kb']} KiB: h2d {best['h2d']:.3f}, "
               f"d2h {best['d2h']:.3f}, both {best['both']:.3f} (targets 0.95 / 0.95 / 0.90)")
     if subs:
-        print("\n### Host CPU time of one load's submission at 1,024 pieces (prepare + launches,"
-              " median)")
-        print("| layout | block tokens | blocks | pieces | launch calls | chunks | prepare us | "
-              "launch us | submit us | GPU us |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n### Host CPU time of one load's submission (prepare + launches, median): "
+              "an op of 16 blocks, and one of 1,024 pieces")
+        print("| op | layout | block tokens | blocks | pieces | launch calls | chunks | "
+              "prepare us | launch us | submit us | GPU us |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in subs:
-            print(f"| {r['label']} | {r['block_tokens']} | {r['blocks']} | {r['pieces']} | "
+            print(f"| {r['op']} | {r['label']} | {r['block_tokens']} | {r['blocks']} | "
+                  f"{r['pieces']} | "
                   f"{r['launch_calls']} | {r['chunks']} | {r['prepare_us']:.0f} | "
                   f"{r['launch_us']:.0f} | {r['submit_us']:.0f} | {r['gpu_us']:.0f} |")
     print(f"wall {time.perf_counter() - t0:.1f} s, CPU {time.process_time() - c0:.1f} s")

@@ -105,7 +105,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
         a.record(backend.load_stream)
         t = load()
         backend.flush()  # every layer enqueued before the end event (``eager_layers``)
-        b.record(backend.load_stream)
+        b.record(getattr(backend.h2d, "tail", backend.load_stream))  # (host layouts' scatter)
         await t.wait()
         return cp.cuda.get_elapsed_time(a, b) / 1e3
 

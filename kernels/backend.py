@@ -31,6 +31,7 @@ from kernels._cuda import cupy_module
 from kernels.layout_copy import (
     DEFAULT_DEVICE_STAGING_BYTES,
     DEFAULT_SCATTER_CTAS,
+    DEFAULT_SLOTS,
     GroupedCopier,
 )
 from kernels.swap import (
@@ -286,6 +287,7 @@ class CudaBackend:
         host_layout: str = "layer_major",
         scatter_ctas: int = DEFAULT_SCATTER_CTAS,
         device_staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES,
+        staging_slots: int = DEFAULT_SLOTS,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -367,17 +369,18 @@ class CudaBackend:
                     **common)
             else:
                 # The kernel side of each direction gets its own stream, so a chunk's
-                # scatter (or gather) overlaps the next chunk's copy.
+                # scatter (or gather) overlaps the next chunk's copy; the copies stay on
+                # the two copy streams, as in layer_major.
                 self.load_tail = _stream(cp, stream_priority)
-                self.store_stream_tail = _stream(cp, stream_priority)
+                self.store_head = _stream(cp, stream_priority)
                 common = dict(kernels=kernels, ctas=scatter_ctas, dma=dma,
-                              staging_bytes=device_staging_bytes)
+                              staging_bytes=device_staging_bytes, slots=staging_slots)
                 self.h2d = GroupedCopier(geo, hptr, dev_bases, num_device_blocks,
                                          to_device=True, head=self.load_stream,
                                          tail=self.load_tail, **common)
                 self.d2h = GroupedCopier(geo, hptr, dev_bases, num_device_blocks,
-                                         to_device=False, head=self.store_stream,
-                                         tail=self.store_stream_tail, **common)
+                                         to_device=False, head=self.store_head,
+                                         tail=self.store_stream, **common)
         self.use_dma = self.h2d.use_dma
 
     # ------------------------------------------------------------------ memory
@@ -549,7 +552,7 @@ class CudaBackend:
         """Block until both streams are idle (tests, shutdown; never on the hot path)."""
         self._flush_tails()
         for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify,
-                  getattr(self.h2d, "tail", None), getattr(self.d2h, "tail", None)):
+                  getattr(self.h2d, "tail", None), getattr(self.d2h, "head", None)):
             if s is not None:
                 s.synchronize()
 
@@ -559,7 +562,8 @@ class CudaBackend:
         if src == Tier.HOST and dst == Tier.DEVICE:
             return self.h2d, self.load_stream, self._load_notify
         if src == Tier.DEVICE and dst == Tier.HOST:
-            return self.d2h, self.store_stream, self._store_notify
+            # (a host layout's backups start on the gather kernel's stream: the head)
+            return self.d2h, getattr(self.d2h, "head", self.store_stream), self._store_notify
         raise TransferError(
             f"CudaBackend moves blocks between device and host only; op {op.op_id} "
             f"({op.kind.value}) goes {src.name.lower()} -> {dst.name.lower()}: "

@@ -17,7 +17,10 @@ group is cut into chunks of as many blocks as a slot holds; each chunk takes
 the next slot, waiting (on the GPU) for the slot's previous user to finish.
 The copy-engine side and the kernel side run on two streams (``head``, where
 the op's dependencies are waited on, and ``tail``, where its layer events
-are recorded), so chunk c's scatter overlaps chunk c+1's copy.
+are recorded: for a load the copy then the scatter, for a backup the gather
+then the copy), so chunk c's scatter overlaps chunk c+1's copy. ``CudaBackend``
+keeps the copies on its two copy streams (``load_stream``, ``store_stream``),
+as in ``layer_major``, and gives each direction's kernels a stream of their own.
 
 A launch covers whole groups: layer ``i``'s event, recorded after its group's
 last chunk, resolves when every layer of the group is on the device (or host).
@@ -163,6 +166,9 @@ class GroupedCopier:
         self._ids_ptr = int(self._ids_mem.ptr)
         self._ids_i32 = np.ndarray((self._slabs.capacity // 4,), np.int32, self._ids_mem)
         self._warned_full = False
+        #: A benchmark's diagnostic only: move the pieces but skip the D2D step (what the
+        #: copies alone cost); the bytes then never reach their destination.
+        self.skip_kernel = False
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray,
@@ -232,9 +238,11 @@ class GroupedCopier:
                     self._copy(stage, host, prep.sizes[g][a:b], head)
                     self.ring.ready[k].record(head)
                     tail.wait_event(self.ring.ready[k])  # type: ignore[attr-defined]
-                    self.kernels.launch(tail.ptr, c_ctas, args)  # type: ignore[attr-defined]
+                    if not self.skip_kernel:
+                        self.kernels.launch(tail.ptr, c_ctas, args)  # type: ignore[attr-defined]
                 else:
-                    self.kernels.launch(head.ptr, c_ctas, args)  # type: ignore[attr-defined]
+                    if not self.skip_kernel:
+                        self.kernels.launch(head.ptr, c_ctas, args)  # type: ignore[attr-defined]
                     self.ring.ready[k].record(head)
                     tail.wait_event(self.ring.ready[k])  # type: ignore[attr-defined]
                     self._copy(host, stage, prep.sizes[g][a:b], tail)

@@ -8,6 +8,7 @@ resolve only once that layer is on the device (a group's layers together).
 from __future__ import annotations
 
 import asyncio
+import time
 import zlib
 
 import numpy as np
@@ -130,16 +131,25 @@ def test_layer_futures_resolve_only_once_their_layer_landed(layout: str) -> None
     compute = cp.cuda.Stream(non_blocking=True)
     groups = backend.host_layout.groups(spec.num_layers)
 
+    dev_gpu = cp.asarray(dev)
+    with side:  # compile and load every kernel used below now, not behind the spin
+        cp.asnumpy(backend.device_kv(0, "k")[dev_gpu].copy())
+    spin(side, 1e-6)
+    side.synchronize()
+
     async def main() -> list[tuple[int, int]]:
         sink = FutureSink(spec.num_layers)
-        spin(backend.load_stream, 0.05)  # the copies wait behind 50 ms of GPU work
+        spin(backend.load_stream, 0.3)  # the copies wait behind 300 ms of GPU work
+        t0 = time.perf_counter()
         task = backend.submit(op(OpKind.SWAP_IN, host_src, dev), sink, ())
         copies = []
         for layer in range(spec.num_layers):
             backend.wait_layer(compute, task, layer)
             with compute:
-                copies.append(backend.device_kv(layer, "k")[cp.asarray(dev)].copy())
-        await asyncio.sleep(0.02)
+                copies.append(backend.device_kv(layer, "k")[dev_gpu].copy())
+        await asyncio.sleep(0.05)
+        held = time.perf_counter() - t0
+        assert held < 0.2, f"the host took {held:.3f} s: the check below would prove nothing"
         assert not any(f.done() for f in sink.layers), "a layer resolved before its copy ran"
         order: list[tuple[int, int]] = []
         seen = wake = 0
@@ -150,7 +160,7 @@ def test_layer_futures_resolve_only_once_their_layer_landed(layout: str) -> None
             done = [i for i, f in enumerate(sink.layers) if f.done()]
             for layer in done[seen:]:
                 with side:  # what is on the device now, read beside the copies
-                    got = {r: cp.asnumpy(backend.device_kv(layer, r)[cp.asarray(dev)])
+                    got = {r: cp.asnumpy(backend.device_kv(layer, r)[dev_gpu])
                            for r in backend.roles}
                 side.synchronize()
                 for r in backend.roles:
