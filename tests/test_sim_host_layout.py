@@ -129,3 +129,13 @@ def test_a_replay_runs_in_each_layout_and_reports_it() -> None:
     assert reports["block_major"]["config"]["host_layout"] == "block_major"
     for r in reports.values():
         assert r["requests"] == 40
+
+
+def test_cli_names_a_bad_host_layout() -> None:
+    from cli import app
+    from cli_helpers import AppCli
+
+    code, _, err = AppCli(app, "replay").run("--limit", "5", "--host-layout", "grouped:0")
+    assert code == 2
+    assert err.strip().startswith("error:") and "host_layout 'grouped:0'" in err
+    assert len(err.strip().splitlines()) == 1
