@@ -37,7 +37,7 @@ import numpy as np
 from kernels._cuda import cupy_module
 from kernels.dma import BatchMemcpy, batch_memcpy_unavailable_reason
 from kernels.layout_plan import plan_chunks, staging_table
-from kernels.plan import role_table, validate_ids
+from kernels.plan import FAST_IDS, role_table, validate_ids
 from kernels.staging import SlabAllocator, Slice
 from kvflow.host_layout import HostGeometry
 
@@ -91,15 +91,14 @@ class PreparedGroups:
 
     def __init__(self, chunks: list[tuple[int, int]], ids_ptr: int,
                  release: Callable[[], None] | None, bounds: list[int],
-                 host: list[np.ndarray], stage: list[np.ndarray],
-                 sizes: list[np.ndarray]) -> None:
+                 host: np.ndarray, stage: np.ndarray, sizes: np.ndarray) -> None:
         self.chunks = chunks      # (first position, blocks) of each chunk
         self.ids_ptr = ids_ptr    # int32 pairs for the kernel, chunk after chunk
         self._release = release
         self.bounds = bounds      # chunk c's runs are [bounds[c], bounds[c + 1])
-        self.host = host          # per group: host address of each run (uint64)
-        self.stage = stage        # per group: offset of each run inside its slot
-        self.sizes = sizes        # per group: bytes of each run
+        self.host = host          # [group, run]: host address of each run (uint64)
+        self.stage = stage        # [group, run]: offset of each run inside its slot
+        self.sizes = sizes        # [group, run]: bytes of each run
 
     def release(self) -> None:
         rel, self._release = self._release, None
@@ -175,11 +174,11 @@ class GroupedCopier:
                 stream: object = None) -> PreparedGroups:
         """Validate (``InvalidBlockId``: nothing staged), stage the kernel's pairs, build each
         group's copy descriptors (consecutive host ids in one chunk: one descriptor)."""
-        src, dst = validate_ids(src_ids, dst_ids, self.num_src_blocks, self.num_dst_blocks,
-                                src_name=self.src_name, dst_name=self.dst_name)
-        n = int(src.size)
+        src, dst = self._validate(src_ids, dst_ids)
+        n = len(src)
         if n == 0:
-            return PreparedGroups([], 0, None, [0], [], [], [])
+            empty = np.zeros((len(self.groups), 0), dtype=np.uint64)
+            return PreparedGroups([], 0, None, [0], empty, empty, empty)
         plan = plan_chunks(self.geo, self.host_ptr, src, dst, self.per_chunk, self.to_device)
         handle, buf, ptr = self._stage(n)
         buf[:] = plan.pairs
@@ -190,6 +189,23 @@ class GroupedCopier:
             release = lambda: handle  # noqa: E731  (the closure keeps the pool memory)
         return PreparedGroups(plan.chunks, ptr, release, plan.bounds, plan.host, plan.stage,
                               plan.sizes)
+
+    def _validate(self, src_ids: Sequence[int] | np.ndarray,
+                  dst_ids: Sequence[int] | np.ndarray
+                  ) -> tuple[np.ndarray | list[int], np.ndarray | list[int]]:
+        """``validate_ids``, with short lists of ints (what a ``TransferOp`` carries) checked in
+        plain Python first: each numpy call costs microseconds, and this is on the path from
+        a load's submission to the step waiting for it. Anything else, and every error, goes
+        through ``validate_ids``, so the messages come from one place."""
+        n = len(src_ids)
+        ns, nd = self.num_src_blocks, self.num_dst_blocks
+        if (type(src_ids) is list and type(dst_ids) is list and n == len(dst_ids)
+                and n <= FAST_IDS and all(type(x) is int and 0 <= x < ns for x in src_ids)
+                and all(type(x) is int and 0 <= x < nd for x in dst_ids)
+                and len(set(dst_ids)) == n):
+            return src_ids, dst_ids  # (plan_chunks plans lists in plain Python)
+        return validate_ids(src_ids, dst_ids, ns, nd, src_name=self.src_name,
+                            dst_name=self.dst_name)
 
     def _stage(self, n: int) -> tuple[object, np.ndarray, int]:
         sl = self._slabs.alloc(8 * n)
@@ -250,9 +266,9 @@ class GroupedCopier:
 
     def _copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
               stream: object) -> None:
-        if self._batch is not None:
-            self._batch.enqueue(np.ascontiguousarray(dsts), np.ascontiguousarray(srcs),
-                                np.ascontiguousarray(sizes), stream.ptr)  # type: ignore[attr-defined]
+        if self._batch is not None:  # (rows of the plan's arrays: contiguous already)
+            self._batch.enqueue_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data,
+                                   int(dsts.size), stream.ptr)  # type: ignore[attr-defined]
             return
         rt = self._cp.cuda.runtime  # fallback: one memcpy per run
         for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):

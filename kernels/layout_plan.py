@@ -13,6 +13,7 @@ Two things are decided before a byte moves, and both are here:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,15 +56,18 @@ class ChunkPlan:
     chunks: list[tuple[int, int]]   # (first position, blocks) of each chunk
     pairs: np.ndarray               # int32 [2n]: the kernel's (src, dst) pairs, in op order
     bounds: list[int]               # chunk c's runs are [bounds[c], bounds[c + 1])
-    host: list[np.ndarray]          # per group: host address of each run (uint64)
-    stage: list[np.ndarray]         # per group: offset of each run inside its slot (uint64)
-    sizes: list[np.ndarray]         # per group: bytes of each run (uint64)
+    host: np.ndarray                # [group, run]: host address of each run (uint64)
+    stage: np.ndarray               # [group, run]: offset of each run inside its slot
+    sizes: np.ndarray               # [group, run]: bytes of each run
 
 
-def plan_chunks(geo: HostGeometry, host_ptr: int, src: np.ndarray, dst: np.ndarray,
-                per_chunk: int, to_device: bool) -> ChunkPlan:
+def plan_chunks(geo: HostGeometry, host_ptr: int, src: np.ndarray | list[int],
+                dst: np.ndarray | list[int], per_chunk: int, to_device: bool) -> ChunkPlan:
     """Plan an op of validated ids (``src``/``dst``: host -> device when ``to_device``,
-    else device -> host)."""
+    else device -> host). Python lists take a plain-Python path (same plan): a short
+    op's planning is then a handful of numpy calls instead of thirty."""
+    if isinstance(src, list):
+        return _plan_small(geo, host_ptr, src, dst, per_chunk, to_device)  # type: ignore[arg-type]
     n = int(src.size)
     m = per_chunk
     pos = np.arange(n, dtype=np.int64)
@@ -76,7 +80,8 @@ def plan_chunks(geo: HostGeometry, host_ptr: int, src: np.ndarray, dst: np.ndarr
         pairs[0::2], pairs[1::2] = src, slot_pos
         host = np.asarray(dst, dtype=np.int64)
     if n == 0:
-        return ChunkPlan([], pairs, [0], [], [], [])
+        empty = np.zeros((len(geo.groups), 0), dtype=np.uint64)
+        return ChunkPlan([], pairs, [0], empty, empty, empty)
     brk = np.ones(n, dtype=bool)
     brk[1:] = (host[1:] != host[:-1] + 1) | (pos[1:] % m == 0)
     starts = np.flatnonzero(brk)
@@ -84,12 +89,52 @@ def plan_chunks(geo: HostGeometry, host_ptr: int, src: np.ndarray, dst: np.ndarr
     nchunks = -(-n // m)
     bounds = np.searchsorted(starts // m, np.arange(nchunks + 1)).tolist()
     rel = (starts % m).astype(np.uint64)
-    first_host = host[starts].astype(np.uint64)
-    hosts, stages, sizes = [], [], []
-    for g in range(len(geo.groups)):
-        p = np.uint64(geo.piece_bytes(g))
-        hosts.append(np.uint64(host_ptr + geo.group_bases[g]) + first_host * p)
-        stages.append(rel * p)
-        sizes.append(lengths * p)
+    hosts, stages, sizes = _descriptors(geo, host_ptr, host[starts], rel, lengths)
     chunks = [(c * m, min(m, n - c * m)) for c in range(nchunks)]
     return ChunkPlan(chunks, pairs, bounds, hosts, stages, sizes)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_columns(geo: HostGeometry, host_ptr: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each group's piece bytes and host address of its region, as ``[groups, 1]`` columns."""
+    pieces = np.asarray([geo.piece_bytes(g) for g in range(len(geo.groups))],
+                        dtype=np.uint64)[:, None]
+    bases = np.asarray(geo.group_bases, dtype=np.uint64)[:, None] + np.uint64(host_ptr)
+    pieces.flags.writeable = bases.flags.writeable = False
+    return pieces, bases
+
+
+def _descriptors(geo: HostGeometry, host_ptr: int, first_host: list[int], rel: list[int],
+                 lengths: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    pieces, bases = _group_columns(geo, host_ptr)
+    return (bases + np.asarray(first_host, dtype=np.uint64)[None, :] * pieces,
+            np.asarray(rel, dtype=np.uint64)[None, :] * pieces,
+            np.asarray(lengths, dtype=np.uint64)[None, :] * pieces)
+
+
+def _plan_small(geo: HostGeometry, host_ptr: int, src: list[int], dst: list[int],
+                per_chunk: int, to_device: bool) -> ChunkPlan:
+    n, m = len(src), per_chunk
+    host = src if to_device else dst
+    pairs: list[int] = []
+    for i, (s, d) in enumerate(zip(src, dst, strict=True)):
+        pairs += (i % m, d) if to_device else (s, i % m)
+    first_host: list[int] = []
+    rel: list[int] = []
+    lengths: list[int] = []
+    bounds = [0]
+    for i, h in enumerate(host):
+        if i % m == 0:
+            if i:
+                bounds.append(len(first_host))
+        elif h == host[i - 1] + 1:
+            lengths[-1] += 1
+            continue
+        first_host.append(h)
+        rel.append(i % m)
+        lengths.append(1)
+    if n:
+        bounds.append(len(first_host))
+    hosts, stages, sizes = _descriptors(geo, host_ptr, first_host, rel, lengths)
+    chunks = [(c * m, min(m, n - c * m)) for c in range(-(-n // m))]
+    return ChunkPlan(chunks, np.asarray(pairs, dtype=np.int32), bounds, hosts, stages, sizes)

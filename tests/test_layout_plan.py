@@ -32,6 +32,11 @@ def run_op(geo: HostGeometry, host: np.ndarray, mem: np.ndarray, dev_bases: np.n
     descriptors used. ``host`` is the host pool at address 0 (a separate memory)."""
     table = staging_table(geo, dev_bases, ring, slot_bytes, slots, to_device)
     plan = plan_chunks(geo, 0, src, dst, per_chunk, to_device)
+    small = plan_chunks(geo, 0, src.tolist(), dst.tolist(), per_chunk, to_device)
+    assert small.chunks == plan.chunks and small.bounds == plan.bounds
+    for a, b in ((small.pairs, plan.pairs), (small.host, plan.host), (small.stage, plan.stage),
+                 (small.sizes, plan.sizes)):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
     seq = used = 0
     for g, (first, count) in enumerate(geo.groups):
         for c, (p0, nb) in enumerate(plan.chunks):

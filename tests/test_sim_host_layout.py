@@ -132,8 +132,9 @@ def test_a_replay_runs_in_each_layout_and_reports_it() -> None:
 
 
 def test_cli_names_a_bad_host_layout() -> None:
-    from cli import app
     from cli_helpers import AppCli
+
+    from cli import app
 
     code, _, err = AppCli(app, "replay").run("--limit", "5", "--host-layout", "grouped:0")
     assert code == 2
