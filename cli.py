@@ -335,6 +335,10 @@ def replay(
         help="--backend cuda's compute: fast (cuBLAS GEMMs, FlashAttention-style paged "
              "attention) or exact (batch-invariant kernels, bit-identical outputs whatever "
              "the batching; 2-3.7x slower a step).")] = Executor.fast,
+    host_layout: Annotated[str, typer.Option(
+        help="The pinned host pool's layout: layer_major (a piece per layer and role), "
+             "block_major (a block's layers together) or grouped:G (G layers a piece; "
+             "their layer futures resolve together).")] = "layer_major",
     tp: Annotated[int, typer.Option(
         help="GPUs per instance (tensor parallelism): weights and KV split that many ways, "
              "one PCIe link per GPU, two all-reduces per layer.")] = 1,
@@ -388,7 +392,8 @@ def replay(
             duration_s=duration, rate=rate, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot,
             tp=tp, pool_gb=pool_gb, pool_blocks=pool_blocks, pool_gb_per_s=pool_gb_per_s,
             nic_gb_per_s=nic_gb_per_s, nic_latency_s=nic_latency,
-            executor=executor.value if backend is Backend.cuda else None)
+            executor=executor.value if backend is Backend.cuda else None,
+            host_layout=host_layout)
         if cluster is not None:
             options = _with_cluster_file(ctx, options, resolve_path(str(cluster)))
         cfg = ReplayConfig(trace=str(resolve_path(trace)) if trace else None, **options)

@@ -61,7 +61,8 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
               priority: int | None, sizes: list[int] | None,
               dma: str = "auto", eager_layers: int | None = 4,
               executor: str = DEFAULT_EXECUTOR,
-              uploads: tuple[str, ...] = ("kernel",)) -> dict[str, Any]:
+              uploads: tuple[str, ...] = ("kernel",),
+              host_layout: str = "layer_major") -> dict[str, Any]:
     """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in;
     each size measured once per metadata upload of ``uploads``."""
     cp = cupy_module()
@@ -71,7 +72,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     extra = max(2, -(-max(sizes) // bt)) if sizes else 2
     k = requests * blocks
     backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
-                          dma=dma, eager_layers=eager_layers)
+                          dma=dma, eager_layers=eager_layers, host_layout=host_layout)
     ex = make_executor(executor, backend, seed=0, max_tokens=requests * extra * bt)
     await ex.warm_up(block=k + requests * extra)
     keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
@@ -104,7 +105,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
         a.record(backend.load_stream)
         t = load()
         backend.flush()  # every layer enqueued before the end event (``eager_layers``)
-        b.record(backend.load_stream)
+        b.record(getattr(backend.h2d, "tail", backend.load_stream))  # (host layouts' scatter)
         await t.wait()
         return cp.cuda.get_elapsed_time(a, b) / 1e3
 
@@ -238,6 +239,9 @@ def main() -> None:
                          "(memcpy,kernel)")
     ap.add_argument("--sizes", default=None,
                     help="new tokens per request, comma-separated (default: scanned)")
+    ap.add_argument("--host-layout", default="layer_major",
+                    help="host layout(s) to measure, comma-separated (kvflow.host_layout: "
+                         "layer_major, block_major, grouped:G)")
     ap.add_argument("--case", type=parse_case, action="append", default=None,
                     help="LABEL:REQUESTS:BLOCKS[:N,N..], instead of the default cases")
     args = ap.parse_args()
@@ -254,12 +258,16 @@ def main() -> None:
                  for label, reqs, blocks, sizes in args.case]
     results = []
     for label, reqs, blocks, prios, sizes in cases:
-        for prio in prios:
-            r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps, prio,
-                                sizes, args.copy_engine, eager, args.executor, args.upload))
-            sizes = sorted({row["new_tokens"] for row in r["rows"]})  # same for each priority
-            r["case"] = label
-            results.append(r)
+        for layout in args.host_layout.split(","):
+            for prio in prios:
+                r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps,
+                                    prio, sizes, args.copy_engine, eager, args.executor,
+                                    args.upload, layout))
+                # the same sizes for each priority and layout
+                sizes = sorted({row["new_tokens"] for row in r["rows"]})
+                r["case"] = label
+                r["host_layout"] = layout
+                results.append(r)
     print(f"\n{results[0]['model']} ({results[0]['layers']} layers, {args.block_tokens}-token "
           "blocks): one swap-in of the cached blocks, then at once the step computing each "
           "request's next tokens")
@@ -272,6 +280,8 @@ def main() -> None:
     for r in results:
         case = (f"{r['case']}: {r['requests']} x {r['blocks_per_request']} blocks "
                 f"({r['bytes'] / 2**30:.2f} GiB)")
+        if len(args.host_layout.split(",")) > 1 or r["host_layout"] != "layer_major":
+            case += f", host {r['host_layout']}"
         for row in r["rows"]:
             print(f"| {case} | {'default' if r['stream_priority'] is None else 'highest'} "
                   f"priority | {row['new_tokens']} | {row['upload']} | "

@@ -9,6 +9,12 @@ batched driver calls; the per-layer events and host callbacks around them) is
 timed by wrapping it with ``perf_counter``, no profiler; the table gives the
 mean per submit over the timed ones.
 
+``--host-layouts`` repeats it per host layout (``kvflow.host_layout``): the same
+16 blocks are 1,024 pieces in ``layer_major`` (16 x 32 layers x K, V), 16 x 32/G
+in ``grouped:G`` (each moved through the device staging ring and a D2D scatter)
+and 16 in ``block_major``; ``bench_layouts.py`` gives the same at 1,024 pieces in
+every layout.
+
 Run (repository root, on a GPU): PYTHONPATH=. python benchmarks/submit_cost.py
 """
 
@@ -49,9 +55,10 @@ def timed(obj: Any, name: str, acc: dict[str, float], on: list[bool]) -> None:
     setattr(obj, name, wrapper)
 
 
-async def measure(eager: int, scattered: bool, warm: int, timed_ops: int) -> dict[str, float]:
+async def measure(eager: int, scattered: bool, warm: int, timed_ops: int,
+                  host_layout: str = "layer_major") -> dict[str, float]:
     backend = CudaBackend(preset("llama-3-8b", block_tokens=512), POOL, POOL,
-                          eager_layers=eager)
+                          eager_layers=eager, host_layout=host_layout)
     acc: dict[str, float] = {}
     on = [False]
     for name in PARTS:
@@ -77,17 +84,20 @@ async def measure(eager: int, scattered: bool, warm: int, timed_ops: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=40, help="timed submits per case")
+    ap.add_argument("--host-layouts", default="layer_major",
+                    help="comma-separated host layouts (layer_major, grouped:G, block_major)")
     args = ap.parse_args()
     cols = ("submit (with its sink)", *PARTS)
     print(f"mean CPU us per submit ({BLOCKS} blocks, llama-3-8b, 512-token blocks; "
           "parts overlap: _enqueue_layers holds launch)")
-    print(f"| eager layers | ids | {' | '.join(cols)} |")
-    print("|---" * (len(cols) + 2) + "|")
-    for eager in (1, 4):
-        for scattered in (False, True):
-            r = asyncio.run(measure(eager, scattered, 20, args.ops))
-            print(f"| {eager} | {'scattered' if scattered else 'consecutive'} | "
-                  + " | ".join(f"{r.get(c, 0.0) * 1e6:.0f}" for c in cols) + " |")
+    print(f"| host layout | eager layers | ids | {' | '.join(cols)} |")
+    print("|---" * (len(cols) + 3) + "|")
+    for layout in args.host_layouts.split(","):
+        for eager in (1, 4):
+            for scattered in (False, True):
+                r = asyncio.run(measure(eager, scattered, 20, args.ops, layout))
+                print(f"| {layout} | {eager} | {'scattered' if scattered else 'consecutive'} | "
+                      + " | ".join(f"{r.get(c, 0.0) * 1e6:.0f}" for c in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels._cuda import cupy_module
+from kernels.layout_copy import (
+    DEFAULT_DEVICE_STAGING_BYTES,
+    DEFAULT_SCATTER_CTAS,
+    DEFAULT_SLOTS,
+    GroupedCopier,
+)
 from kernels.swap import (
     DEFAULT_DMA_MIN_BYTES,
     DEFAULT_LOAD_CTAS,
@@ -40,6 +46,7 @@ from kernels.swap import (
 )
 from kvflow.backend import submit_loop
 from kvflow.errors import ConfigError, InvalidBlockId, TransferError
+from kvflow.host_layout import HostGeometry, HostLayout
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
 from kvflow.radix import Tier
@@ -239,6 +246,14 @@ class CudaBackend:
     ``dma``/``dma_min_bytes``: when ops go to the copy engine as batched memcpys
     instead of the kernel (see ``kernels.swap``); ``use_dma`` says what was chosen.
 
+    ``host_layout`` (``kvflow.host_layout``): how the pinned host pool is laid out.
+    ``layer_major`` (the default) copies (layer, role) pieces straight between the
+    pool and the caches, as above; ``grouped:G`` and ``block_major`` keep a block's
+    layers together on the host and copy G layers a piece through a device staging
+    ring and a D2D scatter (``kernels.layout_copy``; ``scatter_ctas`` SMs,
+    ``device_staging_bytes`` per direction): a group's layers land together, so their
+    events and ``layer_done`` come together (``layers_per_launch`` is then G).
+
     ``eager_layers``: ``submit`` enqueues an op's first ``eager_layers`` layers at
     once and the rest when someone needs them (``wait_layer``/``layer_event`` on
     a layer, the next op on its stream or one that depends on it, ``pump`` from
@@ -269,6 +284,10 @@ class CudaBackend:
         dma: str = "auto",
         dma_min_bytes: int = DEFAULT_DMA_MIN_BYTES,
         eager_layers: int | None = 4,
+        host_layout: str = "layer_major",
+        scatter_ctas: int = DEFAULT_SCATTER_CTAS,
+        device_staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES,
+        staging_slots: int = DEFAULT_SLOTS,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -286,6 +305,11 @@ class CudaBackend:
         self.role_bytes = tuple(r.bytes_per_block for r in self.layout.roles)
         self.num_device_blocks = num_device_blocks
         self.num_host_blocks = num_host_blocks
+        self.host_layout = HostLayout.parse(host_layout)
+        self.host_geometry = HostGeometry(self.host_layout, self.layout.num_layers,
+                                          num_host_blocks, self.role_bytes)
+        if self.host_layout.block_contiguous:  # a group lands as a whole
+            layers_per_launch = self.host_layout.group_size(self.layout.num_layers)
         self.layers_per_launch = layers_per_launch
         self.device = cp.cuda.runtime.getDevice() if device is None else device
         self._loop = loop
@@ -306,10 +330,20 @@ class CudaBackend:
         with cp.cuda.Device(self.device):
             self._dev = [cp.empty((L, num_device_blocks, b), dtype=np.uint8)
                          for b in self.role_bytes]
-            self._host_mem = [cp.cuda.alloc_pinned_memory(L * num_host_blocks * b)
-                              for b in self.role_bytes]
-            self._host = [np.ndarray((L, num_host_blocks, b), dtype=np.uint8, buffer=m)
-                          for m, b in zip(self._host_mem, self.role_bytes, strict=True)]
+            geo = self.host_geometry
+            # One pinned buffer in the host layout; host_kv(layer, role) views into it.
+            self._host_buf = cp.cuda.alloc_pinned_memory(geo.total_bytes)
+            self._host_flat = np.ndarray((geo.total_bytes,), dtype=np.uint8,
+                                         buffer=self._host_buf)
+            hptr = int(self._host_buf.ptr)
+            host_off = geo.layer_role_bases()
+            block_stride = [[geo.offset(1, layer, r) - geo.offset(0, layer, r)
+                             if num_host_blocks > 1 else b for r, b in enumerate(self.role_bytes)]
+                            for layer in range(L)]
+            self._host = [[np.ndarray((num_host_blocks, b), dtype=np.uint8,
+                                      buffer=self._host_buf, offset=host_off[layer][r],
+                                      strides=(block_stride[layer][r], 1))
+                           for layer in range(L)] for r, b in enumerate(self.role_bytes)]
             # stream_priority (CUDA: lower is higher): the block scheduler places a
             # higher-priority stream's CTAs first, so copies get SMs while compute runs.
             self.load_stream = _stream(cp, stream_priority)
@@ -321,17 +355,32 @@ class CudaBackend:
             kernels = SwapKernels(self.device)
             dev_bases = np.array([[a.data.ptr + layer * a.strides[0] for a in self._dev]
                                   for layer in range(L)], dtype=np.int64)
-            host_bases = np.array([[m.ptr + layer * h.strides[0]
-                                    for m, h in zip(self._host_mem, self._host, strict=True)]
-                                   for layer in range(L)], dtype=np.int64)
-            common = dict(min_run_bytes=min_run_bytes, staging_bytes=staging_bytes,
-                          kernels=kernels, dma=dma, dma_min_bytes=dma_min_bytes)
-            self.h2d = BlockCopier(host_bases, dev_bases, self.role_bytes, num_host_blocks,
-                                   num_device_blocks, ctas=load_ctas, src_name="host",
-                                   dst_name="device", **common)
-            self.d2h = BlockCopier(dev_bases, host_bases, self.role_bytes, num_device_blocks,
-                                   num_host_blocks, ctas=store_ctas, src_name="device",
-                                   dst_name="host", **common)
+            host_bases = np.array([[hptr + o for o in row] for row in host_off], dtype=np.int64)
+            if not self.host_layout.block_contiguous:
+                common = dict(min_run_bytes=min_run_bytes, staging_bytes=staging_bytes,
+                              kernels=kernels, dma=dma, dma_min_bytes=dma_min_bytes)
+                self.h2d: BlockCopier | GroupedCopier = BlockCopier(
+                    host_bases, dev_bases, self.role_bytes, num_host_blocks,
+                    num_device_blocks, ctas=load_ctas, src_name="host", dst_name="device",
+                    **common)
+                self.d2h: BlockCopier | GroupedCopier = BlockCopier(
+                    dev_bases, host_bases, self.role_bytes, num_device_blocks,
+                    num_host_blocks, ctas=store_ctas, src_name="device", dst_name="host",
+                    **common)
+            else:
+                # The kernel side of each direction gets its own stream, so a chunk's
+                # scatter (or gather) overlaps the next chunk's copy; the copies stay on
+                # the two copy streams, as in layer_major.
+                self.load_tail = _stream(cp, stream_priority)
+                self.store_head = _stream(cp, stream_priority)
+                common = dict(kernels=kernels, ctas=scatter_ctas, dma=dma,
+                              staging_bytes=device_staging_bytes, slots=staging_slots)
+                self.h2d = GroupedCopier(geo, hptr, dev_bases, num_device_blocks,
+                                         to_device=True, head=self.load_stream,
+                                         tail=self.load_tail, **common)
+                self.d2h = GroupedCopier(geo, hptr, dev_bases, num_device_blocks,
+                                         to_device=False, head=self.store_head,
+                                         tail=self.store_stream, **common)
         self.use_dma = self.h2d.use_dma
 
     # ------------------------------------------------------------------ memory
@@ -340,8 +389,17 @@ class CudaBackend:
         return self._dev[self.roles.index(role)][layer]
 
     def host_kv(self, layer: int, role: str) -> np.ndarray:
-        """Pinned ``numpy`` uint8 ``[num_host_blocks, role_bytes]`` of one layer and role."""
+        """Pinned ``numpy`` uint8 ``[num_host_blocks, role_bytes]`` of one layer and role
+        (strided across blocks where the host layout keeps a block's layers together)."""
         return self._host[self.roles.index(role)][layer]
+
+    def host_block_view(self, block_id: int) -> np.ndarray | None:
+        """A whole host block in the store's order (``[layer][role]``) where the layout
+        keeps it contiguous (``block_major``); else ``None``."""
+        off = self.host_geometry.block_offset(block_id)
+        if off is None:
+            return None
+        return self._host_flat[off: off + self.host_geometry.bytes_per_block]
 
     # ------------------------------------------------------------------ protocol
     def submit(self, op: TransferOp, sink: object, after: Sequence[object] = ()) -> CudaTask:
@@ -384,6 +442,7 @@ class CudaBackend:
         """Enqueue ``task``'s layer groups up to the one holding layer ``through``."""
         copier = self.h2d if task.stream is self.load_stream else self.d2h
         stream, notify, events = task.stream, task.notify, task.events
+        tail = getattr(copier, "tail", stream)  # where the copied layers are complete
         L, k = self.num_layers, self.layers_per_launch
         layer = task.next_layer
         try:
@@ -400,9 +459,9 @@ class CudaBackend:
                 copier.launch(task.prep, stream, layer, count)
                 if last == L - 1 and self.record_starts:
                     task.end_event = self._cp.cuda.Event()
-                    task.end_event.record(stream)
+                    task.end_event.record(tail)
                 for i in range(layer, last + 1):
-                    events[i].record(stream)
+                    events[i].record(tail)
                 notify.wait_event(events[last])
                 notify.launch_host_func(_host_callback,
                                         (task.loop, self._ref, task.key, layer, count))
@@ -415,7 +474,7 @@ class CudaBackend:
             task.error.__cause__ = exc
             try:
                 for ev in events[layer:]:
-                    ev.record(stream)  # dependents must not wait on stale events
+                    ev.record(tail)  # dependents must not wait on stale events
                 notify.wait_event(events[-1])
                 notify.launch_host_func(_host_callback, (task.loop, self._ref, task.key, layer, 0))
             except Exception:
@@ -492,16 +551,19 @@ class CudaBackend:
     def synchronize(self) -> None:
         """Block until both streams are idle (tests, shutdown; never on the hot path)."""
         self._flush_tails()
-        for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify):
-            s.synchronize()
+        for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify,
+                  getattr(self.h2d, "tail", None), getattr(self.d2h, "head", None)):
+            if s is not None:
+                s.synchronize()
 
     # ------------------------------------------------------------------ internals
-    def _route(self, op: TransferOp) -> tuple[BlockCopier, object, object]:
+    def _route(self, op: TransferOp) -> tuple[BlockCopier | GroupedCopier, object, object]:
         src, dst = Tier(op.src_tier), Tier(op.dst_tier)
         if src == Tier.HOST and dst == Tier.DEVICE:
             return self.h2d, self.load_stream, self._load_notify
         if src == Tier.DEVICE and dst == Tier.HOST:
-            return self.d2h, self.store_stream, self._store_notify
+            # (a host layout's backups start on the gather kernel's stream: the head)
+            return self.d2h, getattr(self.d2h, "head", self.store_stream), self._store_notify
         raise TransferError(
             f"CudaBackend moves blocks between device and host only; op {op.op_id} "
             f"({op.kind.value}) goes {src.name.lower()} -> {dst.name.lower()}: "

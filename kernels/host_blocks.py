@@ -16,8 +16,9 @@ the staging; wire it as::
     backend = RoutedBackend({(HOST, DEVICE): gpu, (DEVICE, HOST): gpu,
                              (STORAGE, HOST): store, (HOST, STORAGE): store})
 
-(A pool laid out block-major would let stores read into pinned memory in
-place, at the cost of a non-uniform stride for the swap kernels.)
+With ``--host-layout block_major`` (``kvflow.host_layout``) a block is one
+contiguous piece of the pool, in exactly the store's order, so ``block_view``
+hands it out and stores read into pinned memory in place.
 
 Needs only numpy and the backend's ``host_kv``; importing it needs no GPU.
 """
@@ -50,9 +51,12 @@ class CudaHostBlocks:
         if not 0 <= block_id < self.num_blocks:
             raise InvalidBlockId(f"host block {block_id} out of range [0, {self.num_blocks})")
 
-    def block_view(self, block_id: int) -> None:
-        """Blocks are not contiguous in this pool: always ``None`` (use gather / scatter)."""
-        return None
+    def block_view(self, block_id: int) -> np.ndarray | None:
+        """The block itself where the pool's host layout keeps it contiguous
+        (``block_major``: stores read and write it in place); else ``None``."""
+        self._check(block_id)
+        view = getattr(self.backend, "host_block_view", None)
+        return None if view is None else view(block_id)
 
     def gather(self, block_id: int, out: np.ndarray) -> None:
         self._check(block_id)

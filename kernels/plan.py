@@ -216,11 +216,16 @@ def role_table(role_bytes: Sequence[int]) -> tuple[np.ndarray, int]:
     return np.asarray(rows, dtype=np.int64), first
 
 
-def pointer_table(src_bases: np.ndarray, dst_bases: np.ndarray) -> np.ndarray:
-    """``[layers, roles, 2]`` uint64 of (source base, destination base) addresses.
+def pointer_table(src_bases: np.ndarray, dst_bases: np.ndarray,
+                  src_strides: np.ndarray | Sequence[int] | None = None,
+                  dst_strides: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+    """``[layers, roles, 4]`` uint64 of (source base, destination base, source block
+    stride, destination block stride).
 
     Uploaded once per direction; a launch then names a layer range, which is
-    how one kernel serves both the per-layer and the all-layer launch.
+    how one kernel serves both the per-layer and the all-layer launch. The
+    strides (bytes from one block id to the next) broadcast to ``[layers, roles]``;
+    ``None`` gives each role's own bytes, set later by ``with_strides``.
     """
     s = np.asarray(src_bases, dtype=np.uint64)
     d = np.asarray(dst_bases, dtype=np.uint64)
@@ -231,7 +236,25 @@ def pointer_table(src_bases: np.ndarray, dst_bases: np.ndarray) -> np.ndarray:
         if bad.size:
             addr = int(t.ravel()[bad[0]])
             raise ValueError(f"{name} base address {addr:#x} is not 16-byte aligned")
-    return np.ascontiguousarray(np.stack([s, d], axis=-1))
+    zero = np.zeros(s.shape, dtype=np.uint64)
+    ss = zero if src_strides is None else np.broadcast_to(
+        np.asarray(src_strides, dtype=np.uint64), s.shape)
+    ds = zero if dst_strides is None else np.broadcast_to(
+        np.asarray(dst_strides, dtype=np.uint64), s.shape)
+    for name, t in (("source", ss), ("destination", ds)):
+        if src_strides is not None and np.count_nonzero(t % VEC_BYTES):
+            raise ValueError(f"{name} block strides must be multiples of {VEC_BYTES}")
+    return np.ascontiguousarray(np.stack([s, d, ss, ds], axis=-1))
+
+
+def with_role_strides(table: np.ndarray, role_bytes: Sequence[int]) -> np.ndarray:
+    """``table`` with every zero stride set to its role's bytes (blocks packed per role)."""
+    rb = np.asarray(role_bytes, dtype=np.uint64)[None, :]
+    out = table.copy()
+    for k in (2, 3):
+        col = out[:, :, k]
+        out[:, :, k] = np.where(col == 0, np.broadcast_to(rb, col.shape), col)
+    return out
 
 
 def uniform_stride(bases: np.ndarray) -> int | None:

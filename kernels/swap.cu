@@ -2,8 +2,11 @@
 // (mapped) host buffers, for a range of layers and every cache role.
 //
 // One kernel serves both directions and both launch shapes: the caller passes
-// a device table of per-(layer, role) base pointers for one direction and a
-// layer range (one layer: the per-layer launch; all layers: one launch).
+// a device table of per-(layer, role) base pointers and block strides for one
+// direction and a layer range (one layer: the per-layer launch; all layers: one
+// launch). The strides differ from the role's bytes where one side is a host
+// layout's staging buffer (kernels/layout_copy.py: a block's layers together),
+// so the same kernel scatters staged pieces into the device's per-layer caches.
 // Host memory from cudaHostAlloc is mapped on UVA systems, so its host address
 // is dereferenced directly; the SMs pull/push over PCIe. The id pairs are read
 // straight from the caller's pinned staging buffer (no upload, no device
@@ -17,7 +20,8 @@
 using namespace kvflow;
 
 extern "C" __global__ void __launch_bounds__(1024, 1)
-kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src base, dst base
+kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src base, dst base,
+                                           //   src block stride, dst block stride (bytes)
                    const u64 roles_addr,   // i64 [num_roles][2]: bytes per block, first chunk
                    const i64 num_roles,
                    const i64 chunks_per_block,
@@ -62,9 +66,10 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][2]: src ba
     const i64 bytes = s_bytes[r];
     const i64 off = (c - s_first[r]) * kChunkBytes;
     const i64 len = min(static_cast<i64>(kChunkBytes), bytes - off);
-    const u64* entry = table + ((layer_begin + layer) * nroles + r) * 2;
-    const char* src = reinterpret_cast<const char*>(entry[0]) + pair.x * bytes + off;
-    char* dst = reinterpret_cast<char*>(entry[1]) + pair.y * bytes + off;
+    const u64* entry = table + ((layer_begin + layer) * nroles + r) * 4;
+    const char* src = reinterpret_cast<const char*>(entry[0]) + pair.x * static_cast<i64>(entry[2])
+                      + off;
+    char* dst = reinterpret_cast<char*>(entry[1]) + pair.y * static_cast<i64>(entry[3]) + off;
     warp_copy_chunk(reinterpret_cast<const uint4*>(src), reinterpret_cast<uint4*>(dst),
                     static_cast<int>(len / kVecBytes), lane);
     pair = next;

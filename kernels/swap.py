@@ -41,6 +41,7 @@ from kernels.plan import (
     role_table,
     stage_ids,
     uniform_stride,
+    with_role_strides,
 )
 from kernels.staging import SlabAllocator, Slice
 
@@ -190,7 +191,8 @@ class BlockCopier:
         self.src_name, self.dst_name = src_name, dst_name
         self.min_run_blocks = min_run_blocks_for(min_run_bytes, sum(self.role_bytes))
         roles, self.chunks_per_block = role_table(self.role_bytes)
-        table = pointer_table(self.src_bases, self.dst_bases)
+        table = with_role_strides(pointer_table(self.src_bases, self.dst_bases),
+                                  self.role_bytes)
         with cp.cuda.Device(self.kernels.device):
             self._table = cp.asarray(table)
             self._roles = cp.asarray(roles)

@@ -251,7 +251,9 @@ class CudaWorld:
 
         loop = asyncio.get_running_loop()
         caps = setup.capacities
-        backend = CudaBackend(setup.spec, caps.device, max(caps.host, 1), **self.options)
+        options = dict(self.options)
+        options.setdefault("host_layout", getattr(setup, "host_layout", "layer_major"))
+        backend = CudaBackend(setup.spec, caps.device, max(caps.host, 1), **options)
         executor = make_executor(self.executor, backend, seed=setup.seed,
                                  max_tokens=setup.max_step_tokens)
         await executor.warm_up(block=0)

@@ -36,12 +36,15 @@ class Link:
 
     ``overlap_latency``: whether one request's latency overlaps the previous
     one's data (deep-queue storage) or occupies the link (a DMA stream); see
-    the module docstring.
+    the module docstring. ``piece_s``: link time per contiguous piece a unit moves
+    (a copy engine's per-descriptor cost): host layouts with fewer, larger pieces
+    pay it fewer times (``kvflow.host_layout``; 0 in the presets: unmeasured).
     """
 
     bandwidth_Bps: float
     latency_s: float
     overlap_latency: bool = False
+    piece_s: float = 0.0
 
     def __post_init__(self) -> None:
         bw, lat = self.bandwidth_Bps, self.latency_s
@@ -49,6 +52,9 @@ class Link:
             raise ConfigError(f"Link.bandwidth_Bps must be a finite number > 0, got {bw!r}")
         if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < _INF:
             raise ConfigError(f"Link.latency_s must be a finite number >= 0, got {lat!r}")
+        p = self.piece_s
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < _INF:
+            raise ConfigError(f"Link.piece_s must be a finite number >= 0, got {p!r}")
         if not isinstance(self.overlap_latency, bool):
             raise ConfigError(
                 f"Link.overlap_latency must be true or false, got {self.overlap_latency!r}"

@@ -87,6 +87,8 @@ class WorldSetup:
     max_step_tokens: int = 8192
     tp: int = 1
     admit: Callable[[Any, float, float], float] | None = None
+    #: The host pool's layout (``kvflow.host_layout``): pieces per copy, layer-future groups.
+    host_layout: str = "layer_major"
 
 
 @runtime_checkable

@@ -79,6 +79,7 @@ import simpy
 from simpy.core import NORMAL
 
 from kvflow.errors import ConfigError, TransferError
+from kvflow.host_layout import HostLayout
 from kvflow.layout import ModelSpec
 from kvflow.manager import TransferOp
 from kvflow.profile import LINKS, Link
@@ -193,8 +194,26 @@ class SimBackend:
         #: the earliest time an op's data may be issued (its ``submitted_at``); a pool shared
         #: with other backends limits them all this way. None: issued at submit.
         self.admit: Callable[[TransferOp, float, float], float] | None = None
+        self.host_layout = "layer_major"
+        self.set_host_layout(self.host_layout)
         #: The op whose end is being processed (``sim.links.Server._end``).
         self._ending: SimTransfer | None = None
+
+    def set_host_layout(self, layout: str) -> None:
+        """Model the PCIe links' pieces per the host pool's layout (``kvflow.host_layout``):
+        ``grouped:G`` and ``block_major`` move G layers (all roles) of a block as one piece,
+        so an op's layers land a group at a time, paying the link's latency once per group
+        and its ``piece_s`` once per block; ``layer_major`` pays ``piece_s`` per block and
+        role of every layer. Set before the first submit."""
+        lay = HostLayout.parse(layout)
+        roles = len(self.spec.layout.roles)
+        for name in ("h2d", "d2h"):
+            s = self._servers[name]
+            s.group = lay.group_size(self.num_layers)
+            s.groups = lay.groups(self.num_layers)
+            s.piece_s = s.link.piece_s
+            s.pieces_per_block = roles if not lay.block_contiguous else 1
+        self.host_layout = str(lay)
 
     def inject_failure(self, predicate: Callable[[TransferOp], bool | int | None] | None) -> None:
         """Set (or with ``None`` clear) the failure predicate for ops submitted from now on."""

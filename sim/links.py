@@ -55,7 +55,7 @@ class SimTransfer:
 
     __slots__ = (
         "_acct", "_backend", "_key", "_kicked_at", "_lands", "_lazy", "_n", "_next_report",
-        "_report_limit", "_server", "_shared", "_starts", "_tick", "_tick_at", "_walking",
+        "_report_limit", "_server", "_shared", "_starts", "_tick", "_tick_at", "_units", "_walking",
         "_watch", "busy", "cancelled", "dependents", "deps", "dur", "error", "fail_after",
         "finished", "finished_at", "first_unit", "link", "nbytes", "op", "shared_unit", "sink",
         "submitted_at", "unit",
@@ -79,6 +79,21 @@ class SimTransfer:
         #: How long the first unit took (service time runs from its start).
         self.first_unit = self.unit
         self.busy = self.dur if link.overlap_latency else self.unit
+        #: Per-unit (time, time while the other way is busy, busy time) where units differ:
+        #: a grouped host layout (``kvflow.host_layout``) moves a group of layers as one
+        #: piece per block, so its first layer's unit carries the group's time and the
+        #: others land with it, at no cost of their own.
+        self._units: tuple[list[float], list[float], list[float]] | None = None
+        if server.group > 1:
+            self._units = server.group_units(self.dur, op.num_blocks)
+            self.unit, self.shared_unit = self._units[0][0], self._units[1][0]
+            self.first_unit = self.unit
+        elif server.piece_s:
+            extra = op.num_blocks * server.pieces_per_block * server.piece_s
+            self.unit += extra
+            self.shared_unit += extra
+            self.first_unit = self.unit
+            self.busy += extra
         self.submitted_at = now
         self.finished = False
         self.finished_at: float | None = None
@@ -163,8 +178,8 @@ class Server:
 
     __slots__ = (
         "backend", "blocked", "busy_s", "bytes", "cancelled", "completed", "current", "duplex",
-        "env", "failed", "latency", "link", "name", "num_layers", "ops", "overlap", "partner",
-        "queue", "tick_cb",
+        "env", "failed", "group", "groups", "latency", "link", "name", "num_layers", "ops",
+        "overlap", "partner", "piece_s", "pieces_per_block", "queue", "tick_cb",
     )
 
     def __init__(self, backend: SimBackend, name: str, link: Link, duplex: float) -> None:
@@ -189,6 +204,27 @@ class Server:
         self.completed = 0
         self.failed = 0
         self.cancelled = 0
+        #: The host layout's pieces on this link (``SimBackend.set_host_layout``): layers
+        #: per group, the groups, time per piece and pieces per block in a unit.
+        self.group = 1
+        self.groups: tuple[tuple[int, int], ...] = ()
+        self.piece_s = 0.0
+        self.pieces_per_block = 1
+
+    def group_units(self, layer_dur: float, blocks: int
+                    ) -> tuple[list[float], list[float], list[float]]:
+        """Per-unit (time, shared time, busy) of an op moving ``blocks`` a group at a time."""
+        lat, per = self.latency, blocks * self.piece_s
+        units: list[float] = []
+        shared: list[float] = []
+        busy: list[float] = []
+        for _, count in self.groups:
+            d = count * layer_dur
+            zeros = [0.0] * (count - 1)
+            units += [lat + d + per, *zeros]
+            shared += [lat + d / self.duplex + per, *zeros]
+            busy += [(d if self.overlap else lat + d) + per, *zeros]
+        return units, shared, busy
 
     # -- starting ops ---------------------------------------------------------------
     def kick(self) -> None:
@@ -238,7 +274,8 @@ class Server:
                 t1 = (s0 if s0 > t else t) + h.dur  # later units start past s0
                 times = list(accumulate(repeat(h.dur, n - k - 1), initial=t1))
             else:
-                times = list(accumulate(repeat(h.unit, n - k), initial=t))[1:]
+                each = repeat(h.unit, n - k) if h._units is None else h._units[0][k:n]
+                times = list(accumulate(each, initial=t))[1:]
                 if k == 0:
                     h.first_unit = times[0] - t
             starts.append(t)
@@ -372,25 +409,31 @@ class Server:
             k = m if lands[-1] <= until else bisect_right(lands, until)
             if k > j:
                 busy_s, busy = self.busy_s, h.busy
-                for _ in range(k - j):
-                    busy_s += busy
+                if h._units is not None:
+                    for b in h._units[2][j:k]:
+                        busy_s += b
+                else:
+                    for _ in range(k - j):
+                        busy_s += busy
                 self.busy_s = busy_s
                 self.bytes += (k - j) * h.nbytes
                 h._acct = 2 * k
             return
         busy_s = self.busy_s
+        units = h._units
         while i < end:
             j = i >> 1
             if i & 1:
                 if lands[j] > until:
                     break
                 self.bytes += h.nbytes
-                busy_s += h.busy
+                busy_s += h.busy if units is None else units[2][j]
             else:
                 if starts[j] > until:
                     break
                 if shared is not None and shared[j]:
-                    busy_s += h.shared_unit - h.unit
+                    busy_s += (h.shared_unit - h.unit if units is None
+                               else units[1][j] - units[0][j])
             i += 1
         self.busy_s = busy_s
         h._acct = i

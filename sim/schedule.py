@@ -204,7 +204,10 @@ def _walk(hs: list[SimTransfer], now: float) -> list[SimTransfer]:
             if other is None and server.partner is not None:
                 other = server.partner.current
             shared = other is not None and _on_the_wire(other, s, trig)
-            land = s + (h.shared_unit if shared else h.unit)
+            if h._units is None:
+                land = s + (h.shared_unit if shared else h.unit)
+            else:
+                land = s + h._units[1 if shared else 0][best.k]
             if h._shared is not None:
                 h._shared.append(shared)
             if best.k == 0:

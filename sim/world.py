@@ -47,6 +47,7 @@ class SimSite:
         self.backend = SimBackend(loop.env, spec,  # type: ignore[attr-defined]
                                   Hierarchy.from_profile(setup.profile))
         self.backend.admit = setup.admit
+        self.backend.set_host_layout(getattr(setup, "host_layout", "layer_major"))
         self.executor = SimExecutor(CostModel(spec, setup.profile, setup.tp), spec.num_layers)
         self.clock = loop.time
         self.service_s = sim_service_s

@@ -21,6 +21,7 @@ from kernels.plan import (
     stage_ids,
     uniform_stride,
     validate_ids,
+    with_role_strides,
 )
 from kvflow.errors import InvalidBlockId
 
@@ -146,10 +147,22 @@ def test_pointer_table_layout_and_alignment() -> None:
     src = np.array([[0x1000, 0x2000], [0x3000, 0x4000]])
     dst = src + 0x100000
     t = pointer_table(src, dst)
-    assert t.shape == (2, 2, 2) and t.dtype == np.uint64
-    assert t[1, 0].tolist() == [0x3000, 0x103000]
+    assert t.shape == (2, 2, 4) and t.dtype == np.uint64
+    assert t[1, 0].tolist() == [0x3000, 0x103000, 0, 0]
+    assert with_role_strides(t, [32, 48])[1, 1].tolist() == [0x4000, 0x104000, 48, 48]
     with pytest.raises(ValueError, match="not 16-byte aligned"):
         pointer_table(src + 8, dst)
+
+
+def test_pointer_table_strides() -> None:
+    """A staging side's stride (a piece of several layers) beside the device's role bytes."""
+    src = np.array([[0x1000, 0x1020], [0x1040, 0x1060]])
+    t = pointer_table(src, src + 0x100000, 0x80, [[32, 16]])
+    assert t[:, :, 2].tolist() == [[0x80, 0x80], [0x80, 0x80]]
+    assert t[:, :, 3].tolist() == [[32, 16], [32, 16]]
+    assert with_role_strides(t, [1, 1])[0, 1].tolist() == [0x1020, 0x101020, 0x80, 16]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        pointer_table(src, src, 24, 32)
 
 
 def test_uniform_stride() -> None:

@@ -20,6 +20,7 @@ from kvflow.cost import BlockCosts
 from kvflow.engine import EngineRequest
 from kvflow.errors import ConfigError
 from kvflow.hashing import BlockHasher, ExtraKeys
+from kvflow.host_layout import HostLayout
 from kvflow.layout import ModelSpec, preset
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import EVICTION_POLICIES, PrefetchPolicy, WritePolicy
@@ -112,6 +113,10 @@ class ReplayConfig:
     # -- the cuda world ---------------------------------------------------------------------
     #: Its executor (``EXECUTORS``); None: "fast".
     executor: str | None = None
+    # -- the host pool's layout (``kvflow.host_layout``) -------------------------------------
+    #: ``layer_major`` (per layer and role, the default), ``block_major`` or ``grouped:G``:
+    #: the piece size of every host <-> device copy, and how layer futures group.
+    host_layout: str = "layer_major"
     # -- reports --------------------------------------------------------------------------------
     #: Report the offline optimum's hit rates at the same capacities beside the policy's
     #: (``kvflow.headroom``: Belady's MIN in cache mode, a few tenths of a second).
@@ -191,6 +196,7 @@ class ReplayConfig:
                                       and math.isfinite(v) and v > 0):
                 raise ConfigError(f"{name} must be a finite number > 0, got {v!r}")
         self._check_hardware()
+        self.host_layout = str(HostLayout.parse(self.host_layout))  # ConfigError names it
         # Fail early, with the field named, rather than mid-replay.
         if self.eviction.lower() not in EVICTION_POLICIES:
             raise ConfigError(f"unknown eviction policy {self.eviction!r}; "

@@ -200,7 +200,8 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                 pool.gate.for_instance(s.nic[0])
             sites.append(await world.start(WorldSetup(
                 setup.spec, s.profile, s.capacities, cfg.seed,
-                cfg.max_batch_tokens + cfg.max_running, s.tp, gate)))
+                cfg.max_batch_tokens + cfg.max_running, s.tp, gate,
+                host_layout=cfg.host_layout)))
         if pool is not None:
             pool.attach(managers)
         body = await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,

@@ -63,6 +63,8 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
 
 def config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
+    if d.get("host_layout") == "layer_major":
+        del d["host_layout"]  # the default: reports stay as they were before layouts existed
     d.update(trace=setup.trace_path, device_blocks=setup.capacities.device,
              host_blocks=setup.capacities.host, storage_blocks=setup.capacities.storage,
              block_tokens=setup.spec.block_tokens, bytes_per_block=setup.spec.bytes_per_block,
