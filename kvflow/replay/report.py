@@ -41,14 +41,18 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         "kvflow_report": REPORT_VERSION,
         "config": config_dict(cfg, setup),
     }
-    waits = body.pop("_queue_waits", None)
+    # A full replay's body carries the queue's first/last-quarter waits in a partial
+    # load section; the whole section is built here (and placed where it always was).
+    body = dict(body)
+    waits = (body.pop("load", None) or {}).get("queue_wait_first_last_s")
     report.update(body)
     report["evictions"] = dict(zip(("device", "host", "storage"),
                                    manager.stats.evictions, strict=True))
     engine = body.get("engine") or {}
     report["load"] = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
                                   cfg.max_batch_tokens, cfg.max_running, cfg.instances,
-                                  engine.get("compute_busy_s"), body.get("sim_time_s"), waits,
+                                  engine.get("compute_busy_s"), body.get("sim_time_s"),
+                                  None if waits is None else (waits[0], waits[1]),
                                   **setup.load_kwargs())
     if report.get("pd"):
         pd = report["pd"]
@@ -250,7 +254,8 @@ def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
     }
     body["slo"] = slo_section(ttft, fin.tpot_or_none(), rejected, span, *slo)
     body["queue_s"] = summary(fin.wait)
-    body["_queue_waits"] = queue_growth(fin.waits_by_arrival())
+    waits = queue_growth(fin.waits_by_arrival())
+    body["load"] = {"queue_wait_first_last_s": None if waits is None else list(waits)}
     return body
 
 
