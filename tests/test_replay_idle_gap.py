@@ -90,3 +90,16 @@ def test_an_idle_stretch_is_one_sample_spanning_it(
     # Times only increase and the last is the end of the replay.
     assert all(b > a for a, b in itertools.pairwise(t))
     assert t[-1] == pytest.approx(report["sim_time_s"], abs=1e-6)
+
+
+def test_sampling_runs_to_the_end_when_a_step_outlasts_the_interval() -> None:
+    """A run of decode steps taken in one go (or one long step) spans several sampling
+    intervals with the step counter still: the sampler once took that for a stall and
+    stopped, so at a 1 s interval the bundled sample's series ended at 27 s of 876 s."""
+    report = run_replay(ReplayConfig(limit=200, sample_interval_s=1.0, headroom=False))
+    t = report["timeseries"]["t"]
+    spans = [b - a for a, b in itertools.pairwise([0.0, *t])]
+    # Every sample spans one interval, but the last (partial) one and idle stretches.
+    busy_long = [s for s in spans[:-1] if s > 1.0 + 1e-6]
+    assert len(t) >= report["sim_time_s"] / 2, (len(t), report["sim_time_s"])
+    assert spans[-1] <= 1.0 + 1e-6 and len(busy_long) <= 2

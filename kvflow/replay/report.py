@@ -163,7 +163,7 @@ class Sampler:
                     self.next_sample += skip * self.interval
                     self._tick += skip
             steps = engine.stats.steps
-            if (steps == last_steps and not engine.runtime.tasks
+            if (steps == last_steps and not engine.runtime.tasks and not engine.computing
                     and (engine.waiting or engine.running) and not engine.waits_on_peer):
                 return
             last_steps = steps
