@@ -226,6 +226,7 @@ class Engine(HandoverMixin):
         self.on_last_chunk: Callable[[RequestState], None] | None = None
         self.holding: list[RequestState] = []
         self._fast_forwarding = False
+        self._in_step = False
         self._joining: list[RequestState] = []  # received requests to decode from next step
         # Loop time of the next arrival, if the caller knows it (a trace replay
         # does): lets a multi-step executor run decode steps in one go, exactly.
@@ -278,6 +279,13 @@ class Engine(HandoverMixin):
         self._wake.set()
 
     @property
+    def computing(self) -> bool:
+        """Inside the executor: a step, or decode steps taken in one go, which the step
+        counter shows only as they start or end (a sampler must not read a long one as
+        a stall)."""
+        return self._in_step or self._fast_forwarding
+
+    @property
     def queue_len(self) -> int:
         return len(self.waiting)
 
@@ -301,11 +309,14 @@ class Engine(HandoverMixin):
                 await self._decode_steps(batch)
                 continue
             self.stats.steps += 1
+            self._in_step = True
             try:
                 await self.executor.run_step(batch, waits)
             except TransferError:
                 self._after_failed_loads(members)
                 continue
+            finally:
+                self._in_step = False
             self._advance(members)
         await self.runtime.drain()
 

@@ -97,11 +97,17 @@ def test_a_group_profile_beside_the_file(tmp_path):
     ("[[group]]\nprofile = 'h100'\n", "group 1: key 'count' is missing"),
     ("[[group]]\ncount = 1\n[[group]]\ncount = 0\n", "group 2: key 'count' must be >= 1"),
     ("[[group]]\ncount = 1\ncolour = 'red'\n", "group 1: unknown key 'colour'"),
-    ("[[group]]\ncount = 1\ntp = 0\n", "group 1: key 'tp' must be >= 1"),
-    ("[[group]]\ncount = 1\nhost_gb = -2\n", "group 1: key 'host_gb' must be >= 0"),
+    # A group's values are checked as the config checks its own (the same words).
+    ("[[group]]\ncount = 1\ntp = 0\n", "group 1: tp must be an integer >= 1, got 0"),
+    ("[[group]]\ncount = 1\nhost_gb = -2\n",
+     "group 1: host_gb must be a finite number >= 0, got -2.0"),
+    ("[[group]]\ncount = 1\nhost_gb = inf\n",
+     "group 1: host_gb must be a finite number >= 0, got inf"),
+    ("device_gb = nan\n", "device_gb must be a finite number >= 0, got nan"),
     ("[[group]]\ncount = 1\nhost_gb = 2\nhost_blocks = 9\n",
      "group 1: give host_blocks or host_gb, not both"),
-    ("[[group]]\ncount = 1\nnic_gb_per_s = 0\n", "group 1: key 'nic_gb_per_s' must be a finite"),
+    ("[[group]]\ncount = 1\nnic_gb_per_s = 0\n",
+     "group 1: nic_gb_per_s must be a finite number > 0, got 0.0"),
     ("[[group]]\ncount = 1\nprofile = 'b300'\n",
      "group 1: key 'profile': unknown GPU profile 'b300'"),
     ("[[group]]\ncount = true\n", "group 1: key 'count' must be int, got True"),
@@ -151,3 +157,12 @@ def test_cli_options(tmp_path):
     assert (cfg["tp"], cfg["pool_blocks"], cfg["pool_gb_per_s"], cfg["nic_gb_per_s"],
             cfg["nic_latency_s"]) == (2, 500, 100.0, 25.0, 2e-5)
     assert "need a shared pool" in CLI.user_error("--limit", "5", "--nic-gb-per-s", "9")
+
+
+@pytest.mark.parametrize("name", ["device_gb", "host_gb", "storage_gb"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_tier_sizes_must_be_finite(name, value):
+    # NaN and infinity passed the ">= 0" check (NaN compares False, inf is >= 0) and the
+    # replay died converting them to blocks (ValueError: cannot convert float NaN).
+    with pytest.raises(ConfigError, match=f"{name} must be a finite number >= 0"):
+        ReplayConfig(**{name: value})

@@ -56,3 +56,25 @@ async def test_without_a_store_there_is_no_storage_tier() -> None:
     assert r["errors"]["corrupt_reads"] == 0 and r["compute"]["blocks_verified"] > 0
     with pytest.raises(ConfigError, match="host tier"):
         RealtimeStack(SPEC, RealtimeConfig(host_blocks=0), MemoryStore(Namespace.for_model(SPEC)))
+
+
+@pytest.mark.asyncio
+async def test_the_transfer_log_keeps_one_pass_not_every_pass() -> None:
+    """Issue 20, item 7: the stack's transfer log grew by every op of every pass (a
+    record of nine fields per op, handles included while in flight); it now keeps the
+    current pass's ops only, as columns of numbers, and each pass's summary is its own."""
+    stack = RealtimeStack(SPEC, RealtimeConfig(device_blocks=16, host_blocks=8),
+                          MemoryStore(Namespace.for_model(SPEC)))
+    try:
+        for _ in range(4):
+            before = sum(stack.runtime.metrics.ops.values())
+            r = await stack.replay(REQS)
+            ops = sum(stack.runtime.metrics.ops.values()) - before
+            assert ops > 0 and r["errors"]["corrupt_reads"] == 0
+            kept = len(stack.log._ok)  # the log's columns: one entry per op
+            assert kept == ops
+            assert sum(t["ops"] for t in r["transfers"].values()) <= ops
+        assert not stack.log.records  # no per-op records (with handles, while in flight)
+    finally:
+        await stack.drain()
+        stack.close()

@@ -148,8 +148,9 @@ class RealtimeStack:
             routes[(Tier.STORAGE, Tier.HOST)] = self.storage
             routes[(Tier.HOST, Tier.STORAGE)] = self.storage
         self.backend = RoutedBackend(routes)
-        # Recorded like the simulator's, so both reports measure transfers the same way.
-        self.log = TransferLog(self.backend, loop, service_s)
+        # Recorded like the simulator's, so both reports measure transfers the same way:
+        # as columns of numbers (no per-op records), restarted at each pass.
+        self.log = TransferLog(self.backend, loop, service_s, keep_records=False)
         self.runtime = Runtime(self.manager, self.log, spec.bytes_per_block, loop)
         self.executor = KeyedBlockExecutor(self.copies.device_layer, layout.num_layers,
                                            layout.bytes_per_layer_block, spec.block_tokens,
@@ -166,7 +167,11 @@ class RealtimeStack:
         loop = asyncio.get_running_loop()
         t_wall = time.perf_counter()
         before = self._counters()
-        self._log_from = len(self.log.records)
+        if self.log.open_ops:  # (something ran between passes and is still moving)
+            self._log_from = len(self.log)
+        else:  # the last pass was summarised: keep this pass's ops only
+            self.log.restart()
+            self._log_from = 0
         engine = Engine(self.manager, self.runtime, self.executor,
                         EngineConfig(self.spec.block_tokens, self.cfg.max_batch_tokens,
                                      self.cfg.max_running))
@@ -300,12 +305,7 @@ class RealtimeStack:
 
     def _transfer_summary(self) -> dict[str, Any]:
         """``TransferLog.summary`` of this pass's ops only."""
-        records = self.log.records
-        self.log.records = records[self._log_from:]
-        try:
-            return self.log.summary()
-        finally:
-            self.log.records = records
+        return self.log.summary(self._log_from)
 
 
 def _delta(now: Any, before: Any) -> Any:

@@ -31,7 +31,6 @@ the file, counting from 1).
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import types
 import typing
@@ -130,23 +129,11 @@ def _profile_path(path: str, profile: str) -> str:
 
 
 def _checked_group(where: str, g: InstanceGroup) -> InstanceGroup:
+    """What only a group has: its count, and a profile that loads. Its other values are
+    the config's fields and are checked as the config checks them
+    (``kvflow.replay.config.cluster_file_settings``)."""
     if g.count < 1:
         raise ConfigError(f"{where}: key 'count' must be >= 1, got {g.count}")
-    if g.tp is not None and g.tp < 1:
-        raise ConfigError(f"{where}: key 'tp' must be >= 1, got {g.tp}")
-    for tier in ("device", "host", "storage"):
-        blocks, gb = getattr(g, f"{tier}_blocks"), getattr(g, f"{tier}_gb")
-        for key, v in ((f"{tier}_blocks", blocks), (f"{tier}_gb", gb)):
-            if v is not None and (v < 0 or not math.isfinite(v)):
-                raise ConfigError(f"{where}: key {key!r} must be >= 0, got {v}")
-        if blocks is not None and gb is not None:
-            raise ConfigError(f"{where}: give {tier}_blocks or {tier}_gb, not both")
-    for key in ("nic_gb_per_s", "nic_latency_s"):
-        v = getattr(g, key)
-        ok = v is None or (math.isfinite(v) and (v > 0 if key == "nic_gb_per_s" else v >= 0))
-        if not ok:
-            raise ConfigError(f"{where}: key {key!r} must be a finite number "
-                              f"{'> 0' if key == 'nic_gb_per_s' else '>= 0'}, got {v}")
     if g.profile is not None:
         try:
             load_profile(g.profile)

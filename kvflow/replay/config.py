@@ -161,8 +161,8 @@ class ReplayConfig:
         for name in ("device_blocks", "host_blocks", "storage_blocks", "limit",
                      "device_gb", "host_gb", "storage_gb"):
             v = getattr(self, name)
-            if v is not None and v < 0:
-                raise ConfigError(f"{name} must be >= 0, got {v}")
+            if v is not None and not (v >= 0 and math.isfinite(v)):  # (NaN compares False)
+                raise ConfigError(f"{name} must be a finite number >= 0, got {v}")
         for tier in ("device", "host", "storage"):
             if getattr(self, f"{tier}_blocks") is not None and getattr(
                     self, f"{tier}_gb") is not None:
@@ -311,6 +311,15 @@ def cluster_file_settings(path: str) -> tuple[dict[str, Any], tuple[InstanceGrou
         ReplayConfig(**settings)
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    for i, g in enumerate(groups, 1):
+        values = {k: v for k, v in dataclasses.asdict(g).items()
+                  if v is not None and k not in ("count", "profile")}
+        if "nic_gb_per_s" in values or "nic_latency_s" in values:
+            values["pool_blocks"] = 1  # a NIC is to the shared pool (which the top level has)
+        try:
+            ReplayConfig(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: group {i}: {exc}") from None
     return settings, groups
 
 

@@ -42,6 +42,7 @@ from kvflow.replay.config import (
 )
 from kvflow.replay.load import load_section
 from kvflow.replay.report import (
+    IdleSkip,
     Part,
     Sampler,
     assemble_report,
@@ -260,6 +261,9 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
 
     for engine in engines:
         engine.next_arrival = next_arrival
+    skip = IdleSkip(engines, next_arrival)  # an idle stretch is one sample, not one a tick
+    for p in parts:
+        p.sampler.skip = skip
 
     async def feed_and_run() -> None:
         nonlocal cursor

@@ -35,8 +35,15 @@ QUEUE_GROWTH_MIN_S = 1.0
 TARGET_UTILIZATION = 0.7
 
 
-def offered_load(requests: Sequence[EngineRequest]) -> dict[str, Any]:
-    """Arrival rates over the trace's span (first to last arrival)."""
+def offered_rates(requests: Sequence[EngineRequest]) -> dict[str, Any]:
+    """The report's ``load.offered``: totals over the trace's span (first to last arrival),
+    ``n / T``, from the numbers a replay already holds.
+
+    Not ``traces.load.offered_load`` (``kvflow trace load``), which rates per mean
+    arrival gap, ``(n - 1) / T``, counts new prompt tokens from the requests' block ids
+    (which a replay's requests no longer carry) and is ``inf`` for a burst at one
+    instant (not JSON). Using it here would move every report's load figures by
+    ``(n - 1) / n`` and its pinned digests with them."""
     n = len(requests)
     if n == 0:
         return {"requests": 0, "span_s": 0.0, "requests_per_s": None,
@@ -117,7 +124,7 @@ def load_section(requests: Sequence[EngineRequest], spec: ModelSpec, profile: Gp
     ``mix``: instances that differ, as ``(count, profile, capacities, tp)`` groups;
     the cluster's capacity is then the sum of theirs (``capacity_by_group``) and
     ``capacity_per_instance`` the first group's."""
-    offered = offered_load(requests)
+    offered = offered_rates(requests)
     mean_prompt = offered.get("mean_prompt_tokens", 0.0)
     mean_output = offered.get("mean_output_tokens", 0.0)
     cap = instance_capacity(spec, profile, capacities, max_batch_tokens, max_running,

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
-from collections.abc import Mapping, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,14 +41,18 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         "kvflow_report": REPORT_VERSION,
         "config": config_dict(cfg, setup),
     }
-    waits = body.pop("_queue_waits", None)
+    # A full replay's body carries the queue's first/last-quarter waits in a partial
+    # load section; the whole section is built here (and placed where it always was).
+    body = dict(body)
+    waits = (body.pop("load", None) or {}).get("queue_wait_first_last_s")
     report.update(body)
     report["evictions"] = dict(zip(("device", "host", "storage"),
                                    manager.stats.evictions, strict=True))
     engine = body.get("engine") or {}
     report["load"] = load_section(setup.requests, setup.spec, setup.profile, setup.capacities,
                                   cfg.max_batch_tokens, cfg.max_running, cfg.instances,
-                                  engine.get("compute_busy_s"), body.get("sim_time_s"), waits,
+                                  engine.get("compute_busy_s"), body.get("sim_time_s"),
+                                  None if waits is None else (waits[0], waits[1]),
                                   **setup.load_kwargs())
     if report.get("pd"):
         pd = report["pd"]
@@ -73,22 +79,68 @@ def config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
 
 
 
+class IdleSkip:
+    """Lets a replay's samplers step over an idle stretch together, as one sample.
+
+    Ticking every interval through an empty gap made a replay's cost follow virtual
+    time: one arrival 10^7 s after the one before cost a million samples. When nothing
+    is queued, running, held or in flight on any engine and the next arrival is known,
+    the samplers sleep until one interval before it; the stretch becomes one sample
+    (zeros; its span is in ``t``). The decision is taken once per tick for every
+    sampler, so a cluster's instances keep the same grid (their series are summed
+    index by index). A stretch of less than two empty intervals is sampled as before.
+    """
+
+    def __init__(self, engines: Sequence[Engine],
+                 next_arrival: Callable[[], float | None]) -> None:
+        self.engines = engines
+        self.next_arrival = next_arrival
+        self._tick = -1
+        self._skip = 0
+
+    def intervals(self, tick: int, next_sample: float, interval: float) -> int:
+        """Intervals to step over after the sample of ``tick`` (next due at ``next_sample``)."""
+        if tick != self._tick:
+            self._tick, self._skip = tick, self._decide(next_sample, interval)
+        return self._skip
+
+    def _decide(self, next_sample: float, interval: float) -> int:
+        for e in self.engines:
+            if e.waiting or e.running or e.holding or e.runtime.tasks:
+                return 0
+        arrival = self.next_arrival()
+        if arrival is None:
+            return 0
+        # One interval of margin: the sample after the jump ends before the arrival's
+        # interval, whatever the rounding of the grid's accumulated times.
+        return max(0, math.floor((arrival - next_sample) / interval) - 1)
+
+
 class Sampler:
-    """Per-interval samples for the report's time series."""
+    """Per-interval samples for the report's time series.
+
+    ``t`` is the end of each sample's span; a span is ``interval`` long except an idle
+    stretch stepped over (``IdleSkip``), and the last, partial one. ``ticks`` numbers
+    each sample's end on the interval grid (1 for the first interval's), which places
+    the per-interval hit rates (``hit_series``).
+    """
 
     LINKS = LINKS
 
     def __init__(self, engine: Engine, backend: Any, executor: Any,
-                 interval: float) -> None:
+                 interval: float, skip: IdleSkip | None = None) -> None:
         self.engine, self.backend, self.executor = engine, backend, executor
         self.interval = interval
+        self.skip = skip
         self.t: list[float] = []
+        self.ticks: list[int] = []
         self.queue_len: list[int] = []
         self.running: list[int] = []
         self.util: dict[str, list[float]] = {k: [] for k in self.LINKS}
         self._last_busy = dict.fromkeys(self.LINKS, 0.0)
         self._last_t = engine.loop.time()
         self.next_sample = self._last_t + interval
+        self._tick = 1  # grid number of next_sample
 
     async def run(self) -> None:
         """Sample every interval while the engine makes progress.
@@ -97,7 +149,8 @@ class Sampler:
         transfer in flight, is a stall and ends the sampling: a sampler that
         kept ticking would keep the virtual clock running forever over it,
         hiding the loop's deadlock report. (An engine idle between arrivals
-        is not stalled: the arrivals keep the clock going.)
+        is not stalled: the arrivals keep the clock going, and the sampler
+        steps over the stretch, ``IdleSkip``.)
         """
         engine = self.engine
         last_steps = -1
@@ -105,8 +158,14 @@ class Sampler:
             await asyncio.sleep(self.next_sample - engine.loop.time())
             self.sample()
             self.next_sample += self.interval
+            self._tick += 1
+            if self.skip is not None:
+                skip = self.skip.intervals(self._tick, self.next_sample, self.interval)
+                if skip:
+                    self.next_sample += skip * self.interval
+                    self._tick += skip
             steps = engine.stats.steps
-            if (steps == last_steps and not engine.runtime.tasks
+            if (steps == last_steps and not engine.runtime.tasks and not engine.computing
                     and (engine.waiting or engine.running) and not engine.waits_on_peer):
                 return
             last_steps = steps
@@ -122,10 +181,10 @@ class Sampler:
             self.util[k].append(round(min(1.0, (busy - self._last_busy[k]) / span), 6))
             self._last_busy[k] = busy
         self.t.append(round(now, 6))
+        self.ticks.append(self._tick)
         self.queue_len.append(self.engine.queue_len)
         self.running.append(len(self.engine.running))
         self._last_t = now
-
 
 
 def summary(values: Sequence[float]) -> dict[str, float] | None:
@@ -197,7 +256,8 @@ def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
     }
     body["slo"] = slo_section(ttft, fin.tpot_or_none(), rejected, span, *slo)
     body["queue_s"] = summary(fin.wait)
-    body["_queue_waits"] = queue_growth(fin.waits_by_arrival())
+    waits = queue_growth(fin.waits_by_arrival())
+    body["load"] = {"queue_wait_first_last_s": None if waits is None else list(waits)}
     return body
 
 
@@ -254,8 +314,9 @@ def hit_series(fin: Finished, sampler: Sampler,
         return {"hit_rate_device": [], "hit_rate_host": [], "hit_rate_storage": []}
     hits = np.zeros((3, n))
     blocks = np.zeros(n)
+    ticks = sampler.ticks  # [1, 2, ..., n] but where an idle stretch was stepped over
     for b, row in fin.by_interval.items():  # integer sums: exact in any order
-        i = min(n - 1, b)
+        i = min(n - 1, bisect_left(ticks, b + 1))  # the sample ending interval b
         blocks[i] += row[0]
         for t in (0, 1, 2):
             hits[t, i] += row[t + 1]

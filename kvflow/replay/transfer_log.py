@@ -75,6 +75,24 @@ class TransferLog:
         self._latency_s = array("d")
         #: Blocks submitted and not yet done, per link (a router's view of the backlog).
         self.inflight_blocks: dict[str, int] = dict.fromkeys(LINK_NAMES, 0)
+        #: Ops submitted and not yet done.
+        self.open_ops = 0
+
+    def __len__(self) -> int:
+        """Ops recorded (since the last ``restart``)."""
+        return len(self._ok)
+
+    def restart(self) -> None:
+        """Forget every op recorded so far: what a long-lived stack calls between passes
+        whose summaries are each their own, so that it keeps one pass's ops, not every
+        pass's. Refused while an op is in flight (its end is recorded in place)."""
+        if self.open_ops:
+            raise RuntimeError(f"{self.open_ops} ops still in flight")
+        if self.records is not None:
+            self.records = []
+        for name in ("_kind", "_link", "_blocks", "_ok", "_service_s", "_latency_s"):
+            col = getattr(self, name)
+            setattr(self, name, array(col.typecode))
 
     def submit(self, op: TransferOp, sink: Any, after: Any = ()) -> Any:
         link = LINKS.get((op.src_tier, op.dst_tier), "?")
@@ -93,6 +111,7 @@ class TransferLog:
         self._latency_s.append(0.0)
         if link in self.inflight_blocks:
             self.inflight_blocks[link] += op.num_blocks
+        self.open_ops += 1
         rec[6] = handle = self.backend.submit(op, _LoggedSink(self, rec, sink), after)
         return handle
 
@@ -103,6 +122,7 @@ class TransferLog:
         return getattr(self.backend, name)
 
     def _done(self, rec: list[Any], error: BaseException | None) -> None:
+        self.open_ops -= 1
         if rec[1] in self.inflight_blocks:
             self.inflight_blocks[rec[1]] -= rec[2]
         rec[4] = self._loop.time()
@@ -132,23 +152,27 @@ class TransferLog:
                     busy[LINK_NAMES[link]] += service
         return {k: {"busy_s": v} for k, v in busy.items()}
 
-    def summary(self) -> dict[str, Any]:
-        """Per op kind: ops, blocks, mean/p50 service and latency, service per block."""
-        return summarize_logs([self])
+    def summary(self, since: int = 0) -> dict[str, Any]:
+        """Per op kind: ops, blocks, mean/p50 service and latency, service per block; of
+        the ops from the ``since``-th on."""
+        return summarize_logs([self], since)
 
 
 _LINK_CODE = {name: i for i, name in enumerate(LINK_NAMES)}
 
 
-def summarize_logs(logs: Sequence[TransferLog]) -> dict[str, Any]:
-    """``summarize_transfers`` over several logs' ops, log after log (a cluster's)."""
+def summarize_logs(logs: Sequence[TransferLog], since: int = 0) -> dict[str, Any]:
+    """``summarize_transfers`` over several logs' ops, log after log (a cluster's); in each,
+    the ops from the ``since``-th on."""
     if all(log.records is not None for log in logs):
-        return summarize_transfers([r for log in logs for r in log.records])  # type: ignore[union-attr]
-    kind = np.concatenate([np.frombuffer(log._kind, dtype=np.int8) for log in logs])
-    ok = np.concatenate([np.frombuffer(log._ok, dtype=np.int8) for log in logs]) == 1
-    service = np.concatenate([np.frombuffer(log._service_s) for log in logs])
-    latency = np.concatenate([np.frombuffer(log._latency_s) for log in logs])
-    blocks = np.concatenate([np.frombuffer(log._blocks, dtype=np.int64) for log in logs])
+        return summarize_transfers([r for log in logs
+                                    for r in log.records[since:]])  # type: ignore[index]
+    kind = np.concatenate([np.frombuffer(log._kind, dtype=np.int8)[since:] for log in logs])
+    ok = np.concatenate([np.frombuffer(log._ok, dtype=np.int8)[since:] for log in logs]) == 1
+    service = np.concatenate([np.frombuffer(log._service_s)[since:] for log in logs])
+    latency = np.concatenate([np.frombuffer(log._latency_s)[since:] for log in logs])
+    blocks = np.concatenate([np.frombuffer(log._blocks, dtype=np.int64)[since:]
+                             for log in logs])
     out: dict[str, Any] = {}
     for name in sorted({_KINDS[k] for k in np.unique(kind)}):
         sel = ok & (kind == _KINDS.index(name))
