@@ -127,3 +127,17 @@ async def test_engine_hooks_hold_and_abort() -> None:
     assert all(free == cap for free, cap in inst.pools_free().values())
     with pytest.raises(ValueError, match="not running"):
         eng.abort(st, "twice")
+
+
+@pytest.mark.asyncio
+async def test_a_side_keeps_its_newest_records_and_counts_them_all(monkeypatch) -> None:
+    """A long-running pair must not grow with every request it served (issue 20, item 7's
+    kind): each side keeps the newest ``RECORDS_KEPT`` records; the counts cover all."""
+    import kvflow.pd.verbs as verbs
+    monkeypatch.setattr(verbs, "RECORDS_KEPT", 4)
+    reqs = engine_requests(12)
+    pair = await Pair(SPEC, "inproc").run(reqs)
+    pair.assert_clean()
+    ds, ps = pair.ds.stats, pair.ps.stats
+    assert ps.ok == len(reqs) and len(ps.records) == 4
+    assert ds.ok + ds.skipped == len(reqs) and len(ds.records) == 4

@@ -21,6 +21,7 @@ position (``on_failure="recompute"``) or ends with the reason
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,6 +61,15 @@ class TransferRecord:
     error: str | None = None
 
 
+#: How many transfers' records a side keeps (the newest): a long-running PD pair must
+#: not grow with every request it ever served; the counts below cover them all.
+RECORDS_KEPT = 4096
+
+
+def _records() -> deque[TransferRecord]:
+    return deque(maxlen=RECORDS_KEPT)
+
+
 @dataclass
 class SideStats:
     started: int = 0
@@ -68,7 +78,7 @@ class SideStats:
     skipped: int = 0       # nothing to move (the decode side held the whole prompt)
     recomputed: int = 0    # decode: requests that recomputed after a failed receive
     aborted: int = 0       # decode: requests ended by on_failure="fail"
-    records: list[TransferRecord] = field(default_factory=list)
+    records: deque[TransferRecord] = field(default_factory=_records)
 
     def as_dict(self) -> dict[str, Any]:
         """The counts (not the records)."""
