@@ -1,0 +1,139 @@
+"""The PD copy kernel's arguments (``kernels.pd_copy``) checked without a GPU: the packed
+``PdCopyArgs`` run through the kernel's address arithmetic in numpy (``emulate``) over
+caches and staging rows laid out in one flat byte space, against numpy's own gather and
+scatter. Catches wrong bases, strides, role offsets, chunking and table rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.pd_copy import (
+    ARGS_BYTES,
+    cache_side,
+    check_layout,
+    emulate,
+    grid_for,
+    pack_args,
+    role_chunks,
+    rows_side,
+)
+from kernels.plan import CHUNK_BYTES
+
+#: Role sizes (bytes per block, multiples of 16) of the layouts PD moves, and one whose
+#: roles span several chunks with a partial last one.
+LAYOUTS = [(1024, 1024), (512, 512, 16, 16), (1280,), (640, 16, 320),
+           (CHUNK_BYTES * 2 + 48, 16, CHUNK_BYTES)]
+
+
+class Space:
+    """A flat byte space holding regions at 16-aligned offsets (the 'addresses')."""
+
+    def __init__(self) -> None:
+        self.regions: list[tuple[int, np.ndarray]] = []
+        self.size = 64  # address 0 is never used: it means "no table"
+
+    def add(self, data: np.ndarray) -> int:
+        addr = self.size
+        self.regions.append((addr, data))
+        self.size += -(-data.nbytes // 16) * 16 + 16
+        return addr
+
+    def flat(self) -> np.ndarray:
+        out = np.zeros(self.size, np.uint8)
+        for addr, d in self.regions:
+            out[addr:addr + d.nbytes] = d.reshape(-1).view(np.uint8)
+        return out
+
+
+def caches(rng: np.random.Generator, roles: tuple[int, ...], layers: int, blocks: int,
+           fill: int | None) -> list[np.ndarray]:
+    if fill is None:
+        return [rng.integers(1, 256, (layers, blocks, b), np.uint8) for b in roles]
+    return [np.full((layers, blocks, b), fill, np.uint8) for b in roles]
+
+
+def side(space_arrays: list[np.ndarray], addrs: list[int], layer: int, ids: int):
+    return cache_side(addrs, [a.strides[0] for a in space_arrays],
+                      [a.strides[1] for a in space_arrays], layer, ids)
+
+
+def view(flat: np.ndarray, addr: int, like: np.ndarray) -> np.ndarray:
+    return flat[addr:addr + like.nbytes].reshape(like.shape)
+
+
+def ids_pair(rng: np.random.Generator, n: int, src_blocks: int, dst_blocks: int):
+    """Out of order; the source may repeat a block (one block to two places)."""
+    src = rng.integers(0, src_blocks, n)
+    dst = rng.permutation(dst_blocks)[:n]
+    return src, dst
+
+
+@pytest.mark.parametrize("roles", LAYOUTS)
+def test_cache_to_cache_moves_every_role_of_one_layer(roles: tuple[int, ...]) -> None:
+    rng = np.random.default_rng(len(roles))
+    L, layer = 3, 1
+    src, dst = caches(rng, roles, L, 9, None), caches(rng, roles, L, 11, 0xA5)
+    s_ids, d_ids = ids_pair(rng, 7, 9, 11)
+    sp = Space()
+    sa, da = [sp.add(a) for a in src], [sp.add(a) for a in dst]
+    table = np.stack([s_ids, d_ids]).astype(np.int32)
+    ta = sp.add(table)
+    first, cpb = role_chunks(roles)
+    packed = pack_args(side(src, sa, layer, ta), side(dst, da, layer, ta + 4 * len(s_ids)),
+                       roles, first, cpb, len(s_ids))
+    assert len(packed) == ARGS_BYTES
+    flat = sp.flat()
+    emulate(packed, flat, {ta: table[0], ta + 4 * len(s_ids): table[1]})
+    for r, (a, b) in enumerate(zip(src, dst, strict=True)):
+        want = b.copy()
+        want[layer][d_ids] = a[layer][s_ids]
+        assert np.array_equal(view(flat, da[r], b), want), f"role {r}"
+        assert np.array_equal(view(flat, sa[r], a), a), "the source changed"
+
+
+@settings(max_examples=25, deadline=None)
+@given(roles=st.sampled_from(LAYOUTS), n=st.integers(1, 6), layer=st.integers(0, 2),
+       seed=st.integers(0, 2**32 - 1))
+def test_gather_into_rows_then_scatter_back_is_the_identity(roles, n, layer, seed) -> None:
+    rng = np.random.default_rng(seed)
+    cache = caches(rng, roles, 3, 8, None)
+    back = caches(rng, roles, 3, 8, 0xA5)
+    s_ids = rng.integers(0, 8, n)          # may repeat
+    d_ids = rng.permutation(8)[:n]
+    rows = np.zeros((n, sum(roles)), np.uint8)
+    sp = Space()
+    ca, ba = [sp.add(a) for a in cache], [sp.add(a) for a in back]
+    ra = sp.add(rows)
+    ts, td = sp.add(s_ids.astype(np.int32)), sp.add(d_ids.astype(np.int32))
+    tables = {ts: s_ids, td: d_ids}
+    first, cpb = role_chunks(roles)
+    flat = sp.flat()
+    emulate(pack_args(side(cache, ca, layer, ts), rows_side(ra, roles), roles, first, cpb, n),
+            flat, tables)
+    wire = np.concatenate([a[layer][s_ids] for a in cache], axis=1)  # the wire order
+    assert np.array_equal(view(flat, ra, rows), wire)
+    emulate(pack_args(rows_side(ra, roles), side(back, ba, layer, td), roles, first, cpb, n),
+            flat, tables)
+    for r, (a, b) in enumerate(zip(cache, back, strict=True)):
+        want = b.copy()
+        want[layer][d_ids] = a[layer][s_ids]
+        assert np.array_equal(view(flat, ba[r], b), want), f"role {r}"
+
+
+def test_role_chunks_and_grid() -> None:
+    assert role_chunks([1024, 1024]) == ((0, 1), 2)
+    assert role_chunks([CHUNK_BYTES * 2 + 16, 16]) == ((0, 3), 4)
+    assert role_chunks([32768, 32768]) == ((0, 8), 16)
+    assert grid_for(32, 16, 10_000) == 64     # 512 units, 8 warps a CTA
+    assert grid_for(32, 16, 16) == 16         # capped: grid-stride past it
+    assert grid_for(0, 16, 16) == 0
+
+
+def test_layouts_the_kernel_cannot_take_are_named() -> None:
+    assert check_layout([1024, 16], [0, 4096]) is None
+    assert "multiple of 16" in check_layout([1024, 8], [0])
+    assert "multiple of 16" in check_layout([1024], [8])
+    assert "roles" in check_layout([16] * 9, [])
