@@ -15,6 +15,8 @@ on one GPU: device to device), and, where two GPUs are visible, GPU 0 -> GPU 1
 * ``enqueued_ops`` — the CuPy ops the kernel replaced (per role an index upload, a
   gather into a temporary and a scatter; still the path where two GPUs cannot
   reach each other), enqueued back to back: the before;
+* ``kernel_only`` — the same kernels launched from a tight loop with their arguments
+  packed beforehand, timed with CUDA events: what the GPU side of a frame costs;
 * ``contiguous`` — one ``cudaMemcpyAsync`` (``cudaMemcpyPeerAsync``) per frame of
   the same size between contiguous buffers: the ceiling;
 * ``staged`` / ``staged_ops`` / ``staged_contiguous`` (one GPU only) — the TCP
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import platform
 import sys
 import time
@@ -50,8 +51,9 @@ from kvflow.pd.transports import inproc_ports
 
 
 def cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
+    """This process's CPU seconds, user + system (ns resolution: ``os.times`` counts
+    10 ms ticks, too coarse for a few ms of work)."""
+    return time.process_time()
 
 
 def caches(spec: Any, pool: int, src_dev: int, dst_dev: int) -> tuple[Any, Any]:
@@ -103,6 +105,24 @@ async def enqueued_ops(spec: Any, src: Any, dst: Any, s_ids: np.ndarray,
             pending.append(dst._copy_by_gather(src, layer, s_ids, d_ids))
     await asyncio.gather(*pending)
     return time.perf_counter() - t0
+
+
+def kernel_only(spec: Any, src: Any, dst: Any, s_ids: np.ndarray, d_ids: np.ndarray,
+                requests: int) -> float:
+    import cupy as cp
+
+    # the arguments ``enqueued`` packed for this chunk (it runs first)
+    packed = next(c.packed[src._key] for c in dst._ids.values() if src._key in c.packed)
+    n = len(s_ids)
+    with cp.cuda.Device(dst.device):
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(dst.stream)
+        for _ in range(requests):
+            for layer in range(spec.num_layers):
+                dst._launch(packed, layer, n, dst._device_ctas())
+        end.record(dst.stream)
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
 
 
 def staged(spec: Any, src: Any, dst: Any, s_ids: np.ndarray, d_ids: np.ndarray,
@@ -200,6 +220,9 @@ def measure(args: argparse.Namespace, src_dev: int, dst_dev: int) -> dict[str, A
             keep(name, c0, asyncio.run(fn(spec, src, dst, s_ids, d_ids, args.requests)))
         c0 = cpu_s()
         keep("contiguous", c0, contiguous(frame, frames, src_dev, dst_dev))
+        if src_dev == dst_dev and dst._kernel is not None:
+            c0 = cpu_s()
+            keep("kernel_only", c0, kernel_only(spec, src, dst, s_ids, d_ids, args.requests))
         if src_dev == dst_dev:
             for name, ops in (("staged", False), ("staged_ops", True)):
                 c0 = cpu_s()
@@ -213,7 +236,7 @@ def measure(args: argparse.Namespace, src_dev: int, dst_dev: int) -> dict[str, A
         assert np.array_equal(cp.asnumpy(a[5][cp.asarray(s_ids)]),
                               cp.asnumpy(b[5][cp.asarray(d_ids)]))
     out = {k: {"wall_s": w, "cpu_s": c, "GB_per_s": total / w / 1e9} for k, (w, c) in best.items()}
-    for k in ("transport", "enqueued", "enqueued_ops", "staged", "staged_ops"):
+    for k in ("transport", "enqueued", "enqueued_ops", "kernel_only", "staged", "staged_ops"):
         ceiling = out.get("staged_contiguous" if k.startswith("staged") else "contiguous")
         if k in out and ceiling is not None:
             out[k]["share_of_contiguous"] = out[k]["GB_per_s"] / ceiling["GB_per_s"]
@@ -246,7 +269,7 @@ def main() -> None:
         print(f"GPU {a} -> GPU {b}: {args.blocks} blocks x {kib} KiB per frame, "
               f"{r['frames']} frames ({r['bytes'] / 1e9:.2f} GB), best of "
               f"{args.repeat}")
-        for k in ("contiguous", "enqueued", "transport", "enqueued_ops",
+        for k in ("contiguous", "kernel_only", "enqueued", "transport", "enqueued_ops",
                   "staged_contiguous", "staged", "staged_ops"):
             if k not in r:
                 continue

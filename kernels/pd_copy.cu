@@ -4,9 +4,11 @@
 // Why: prefill/decode disaggregation moves a request's KV layer by layer. As
 // CuPy ops a frame was an id upload, a gather into a temporary and a scatter
 // per role (~250 us of host work a frame, ~2% of a contiguous copy's rate).
-// Here each side is described per role by a base address (index 0 of this
-// layer) and a stride (bytes from one index to the next), and by an optional
-// int32 index table on the device (null: index = position in the frame):
+// Here each side is described per role by a base address (index 0 of layer
+// 0), a layer stride and a stride (bytes from one index to the next), and by
+// an optional int32 index table on the device (null: index = position in the
+// frame). Only ``layer`` changes from one layer of a chunk to the next, so the
+// host packs a chunk's arguments once and patches the layer per launch:
 //
 //   cache -> cache  (two engines' pools, one GPU or peers): both sides tables;
 //   cache -> rows   (gather into pinned staging, wire order): base = staging +
@@ -26,6 +28,8 @@ using namespace kvflow;
 struct PdCopyArgs {
   u64 src_base[kMaxRoles];
   u64 dst_base[kMaxRoles];
+  i64 src_layer_stride[kMaxRoles];
+  i64 dst_layer_stride[kMaxRoles];
   i64 src_stride[kMaxRoles];
   i64 dst_stride[kMaxRoles];
   i64 bytes[kMaxRoles];        // bytes of the role per block (multiple of 16)
@@ -35,7 +39,11 @@ struct PdCopyArgs {
   i64 num_roles;
   i64 chunks_per_block;
   i64 num_blocks;
+  i64 layer;                   // last: patched per launch
 };
+// kernels/pd_copy.py ARGS_BYTES and LAYER_OFFSET (tests/test_pd_copy_plan.py reads these).
+static_assert(sizeof(PdCopyArgs) == 560, "PdCopyArgs size");
+static_assert(__builtin_offsetof(PdCopyArgs, layer) == 552, "PdCopyArgs layer offset");
 
 constexpr int kPdThreads = 256;
 
@@ -50,8 +58,8 @@ kvflow_pd_copy(const __grid_constant__ PdCopyArgs a) {
   const int nroles = static_cast<int>(a.num_roles);
   if (threadIdx.x < nroles) {
     const int r = threadIdx.x;
-    s_src[r] = a.src_base[r];
-    s_dst[r] = a.dst_base[r];
+    s_src[r] = a.src_base[r] + a.layer * a.src_layer_stride[r];
+    s_dst[r] = a.dst_base[r] + a.layer * a.dst_layer_stride[r];
     s_sstride[r] = a.src_stride[r];
     s_dstride[r] = a.dst_stride[r];
     s_bytes[r] = a.bytes[r];

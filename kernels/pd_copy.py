@@ -2,12 +2,13 @@
 
 A PD frame moves one layer of a run of scattered blocks. The kernel reads both
 sides from its arguments alone: per role a base address and a stride per index
-(``Side``), and an optional int32 index table on the device per side (no table:
-the index is the block's position in the frame, which is how a contiguous
-staging buffer of rows in wire order is addressed). So a frame costs one
-``cuLaunchKernel`` with the arguments packed by value, and no upload: the index
-tables are uploaded once per transfer by the caller (``kernels.pd_peer`` keeps
-them by content, so every layer of a chunk reuses them).
+and a stride per layer and per index (``Side``), and an optional int32 index table
+on the device per side (no table: the index is the block's position in the frame,
+which is how a contiguous staging buffer of rows in wire order is addressed). So
+a frame costs one ``cuLaunchKernel`` with the arguments by value and no upload:
+the index tables are uploaded once per transfer and the arguments packed once
+per chunk by the caller (``kernels.pd_peer`` keeps both by content, so every
+layer of a chunk reuses them; only the layer, the last argument, is patched).
 
 The pure part (``Side``, ``role_chunks``, ``pack_args``, ``grid_for`` and
 ``emulate``, the kernel's address arithmetic in numpy) needs no GPU and is tested
@@ -29,36 +30,40 @@ from kernels.plan import CHUNK_BYTES, MAX_ROLES, VEC_BYTES
 #: Threads per CTA (``kPdThreads`` in ``pd_copy.cu``): 8 warps, one unit (chunk) each.
 THREADS = 256
 WARPS_PER_CTA = THREADS // 32
-#: ``PdCopyArgs``: six per-role arrays of 8 x 64-bit, two pointers, three counts.
-_ARGS = struct.Struct(f"<{6 * MAX_ROLES}Q2Q3q")
+#: ``PdCopyArgs``: eight per-role arrays of 8 x 64-bit, two pointers, three counts, and
+#: the layer last (``_LAYER`` packs it alone, at ``LAYER_OFFSET``).
+_ARGS = struct.Struct(f"<{8 * MAX_ROLES}Q2Q4q")
 ARGS_BYTES = _ARGS.size
+_LAYER = struct.Struct("<q")
+LAYER_OFFSET = ARGS_BYTES - _LAYER.size
 
 
 @dataclass(frozen=True)
 class Side:
-    """One side of a copy for one layer: role ``r`` of the block at index ``x`` is at
-    ``base[r] + x * stride[r]``; ``x`` is ``ids[position]`` (an int32 device table's
-    address) or, with ``ids == 0``, the position itself."""
+    """One side of a copy: role ``r`` of the block at index ``x`` of layer ``l`` is at
+    ``base[r] + l * layer_stride[r] + x * stride[r]``; ``x`` is ``ids[position]`` (an
+    int32 device table's address) or, with ``ids == 0``, the position itself."""
 
     base: tuple[int, ...]
+    layer_stride: tuple[int, ...]
     stride: tuple[int, ...]
     ids: int = 0
 
 
 def cache_side(bases: Sequence[int], layer_strides: Sequence[int],
-               block_strides: Sequence[int], layer: int, ids: int) -> Side:
+               block_strides: Sequence[int], ids: int) -> Side:
     """A cache kept as one ``[layers, blocks, role_bytes]`` array per role (addresses
     of element 0 and the two outer strides in bytes), indexed by block id."""
-    return Side(tuple(b + layer * s for b, s in zip(bases, layer_strides, strict=True)),
-                tuple(block_strides), ids)
+    return Side(tuple(bases), tuple(layer_strides), tuple(block_strides), ids)
 
 
 def rows_side(base: int, role_bytes: Sequence[int]) -> Side:
     """Contiguous rows in wire order (per block every role side by side), indexed by
-    position: what a frame's payload is."""
+    position, the same for every layer: what a frame's payload is."""
     offs = np.concatenate([[0], np.cumsum(role_bytes)[:-1]]).astype(int)
     row = int(sum(role_bytes))
-    return Side(tuple(base + int(o) for o in offs), (row,) * len(role_bytes), 0)
+    n = len(role_bytes)
+    return Side(tuple(base + int(o) for o in offs), (0,) * n, (row,) * n, 0)
 
 
 def role_chunks(role_bytes: Sequence[int]) -> tuple[tuple[int, ...], int]:
@@ -82,12 +87,13 @@ def check_layout(role_bytes: Sequence[int], addresses: Sequence[int]) -> str | N
 
 
 def pack_args(src: Side, dst: Side, role_bytes: Sequence[int], first: Sequence[int],
-              chunks_per_block: int, num_blocks: int) -> bytes:
+              chunks_per_block: int, num_blocks: int, layer: int = 0) -> bytes:
     """The kernel's ``PdCopyArgs`` by value (unused role slots zero)."""
     pad = (0,) * (MAX_ROLES - len(role_bytes))
-    return _ARGS.pack(*src.base, *pad, *dst.base, *pad, *src.stride, *pad, *dst.stride, *pad,
+    return _ARGS.pack(*src.base, *pad, *dst.base, *pad, *src.layer_stride, *pad,
+                      *dst.layer_stride, *pad, *src.stride, *pad, *dst.stride, *pad,
                       *role_bytes, *pad, *first, *pad, src.ids, dst.ids,
-                      len(role_bytes), chunks_per_block, num_blocks)
+                      len(role_bytes), chunks_per_block, num_blocks, layer)
 
 
 def grid_for(num_blocks: int, chunks_per_block: int, max_ctas: int) -> int:
@@ -101,8 +107,10 @@ def emulate(packed: bytes, space: np.ndarray, ids: dict[int, np.ndarray]) -> Non
     into it) and index tables by address: what the CPU tests check the packing with."""
     v = _ARGS.unpack(packed)
     m = MAX_ROLES
-    sb, db, ss, ds, nbytes, first = (v[k * m:(k + 1) * m] for k in range(6))
-    src_ids, dst_ids, nroles, cpb, n = v[6 * m:]
+    sb, db, sl, dl, ss, ds, nbytes, first = (v[k * m:(k + 1) * m] for k in range(8))
+    src_ids, dst_ids, nroles, cpb, n, layer = v[8 * m:]
+    sb = [b + layer * s for b, s in zip(sb, sl, strict=True)]
+    db = [b + layer * s for b, s in zip(db, dl, strict=True)]
     for u in range(n * cpb):
         i, c = divmod(u, cpb)
         r = max(k for k in range(nroles) if c >= first[k])
@@ -132,11 +140,13 @@ class PdCopyKernel:
         with cp.cuda.Device(device):
             self.sms = int(cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
-    def launch(self, stream_ptr: int, packed: bytes, grid: int) -> None:
-        """Enqueue one launch on ``stream_ptr`` (nothing for an empty grid)."""
+    def launch(self, stream_ptr: int, packed: bytes, layer: int, grid: int) -> None:
+        """Enqueue one launch on ``stream_ptr`` of ``packed`` for ``layer`` (nothing for
+        an empty grid)."""
         if grid <= 0:
             return
         ctypes.memmove(self._params, packed, ARGS_BYTES)
+        _LAYER.pack_into(self._params, LAYER_OFFSET, layer)
         self._launch(self._fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
 

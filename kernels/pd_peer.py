@@ -40,6 +40,7 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.pd_copy import (
+    Side,
     cache_side,
     check_layout,
     grid_for,
@@ -62,6 +63,17 @@ HOST_CTAS = 16
 DEVICE_CTAS_PER_SM = 4
 #: Peer pairs (reader device, device read) whose access ``enable_peer_access`` turned on.
 _PEERS: set[tuple[int, int]] = set()
+
+
+class _Chunk:
+    """A chunk's block table on the device, and the kernel's arguments packed for it
+    (by the other side's addresses)."""
+
+    __slots__ = ("packed", "table")
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.packed: dict[Any, bytes] = {}
 
 
 class CudaBlockMemory:
@@ -89,13 +101,15 @@ class CudaBlockMemory:
         self._bases = [int(a.data.ptr) for a in arrays]
         self._layer_strides = [int(a.strides[0]) for a in arrays]
         self._block_strides = [int(a.strides[1]) for a in arrays]
+        #: What a destination keeps packed arguments by: these addresses.
+        self._key = (device, *self._bases, *self._layer_strides, *self._block_strides)
         addresses = [*self._bases, *self._layer_strides, *self._block_strides]
         #: Why the kernel cannot move these caches (None: it can); the CuPy ops then.
         self.kernel_unfit = check_layout(self.role_bytes, addresses)
         if self.kernel_unfit is None and any(int(a.strides[2]) != 1 for a in arrays):
             self.kernel_unfit = "a role's bytes are not contiguous"
         self._first, self._chunks = role_chunks(self.role_bytes)
-        self._ids: OrderedDict[bytes, Any] = OrderedDict()
+        self._ids: OrderedDict[bytes, _Chunk] = OrderedDict()
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
             self._kernel = kernel_for(device) if self.kernel_unfit is None else None
@@ -116,19 +130,20 @@ class CudaBlockMemory:
         return cls(device, arrays)
 
     # ------------------------------------------------------------- block tables
-    def _table(self, src_ids: np.ndarray | None, dst_ids: np.ndarray | None,
-               src_blocks: int) -> Any:
+    def _chunk(self, src_ids: np.ndarray | None, dst_ids: np.ndarray | None,
+               src_blocks: int) -> _Chunk:
         """The int32 device table for a frame's ids (rows: the source ids, the destination
-        ids, whichever are given), uploaded on first sight and then kept by content, so
-        every layer of a chunk reuses it. Checked when uploaded (``InvalidBlockId``):
-        ids in range, no destination id twice (two blocks landing on one)."""
+        ids, whichever are given), uploaded on first sight and then kept by content with
+        the kernel's packed arguments, so every layer of a chunk reuses both. Checked
+        when uploaded (``InvalidBlockId``): ids in range, no destination id twice (two
+        blocks landing on one)."""
         given = [x for x in (src_ids, dst_ids) if x is not None]
         key = b"|".join((b"%d %d" % (src_ids is not None, src_blocks),
                          *(np.asarray(x, np.int64).tobytes() for x in given)))
-        table = self._ids.get(key)
-        if table is not None:
+        chunk = self._ids.get(key)
+        if chunk is not None:
             self._ids.move_to_end(key)
-            return table
+            return chunk
         n = len(given[0])
         s32, d32 = validate_ids(np.zeros(n, np.int64) if src_ids is None else src_ids,
                                 np.arange(n) if dst_ids is None else dst_ids,
@@ -137,11 +152,10 @@ class CudaBlockMemory:
         rows = [x for x, g in ((s32, src_ids), (d32, dst_ids)) if g is not None]
         cp = self._cp
         with cp.cuda.Device(self.device), self.stream:
-            table = cp.asarray(np.stack(rows))
-        self._ids[key] = table
+            chunk = self._ids[key] = _Chunk(cp.asarray(np.stack(rows)))
         if len(self._ids) > IDS_CACHE:
             self._ids.popitem(last=False)
-        return table
+        return chunk
 
     def _check_layer(self, layer: int) -> None:
         """The kernel adds ``layer`` times a stride: a bad layer would address past the
@@ -149,8 +163,11 @@ class CudaBlockMemory:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
 
-    def _launch(self, packed: bytes, n: int, max_ctas: int) -> None:
-        self._kernel.launch(self.stream.ptr, packed, grid_for(n, self._chunks, max_ctas))
+    def _launch(self, packed: bytes, layer: int, n: int, max_ctas: int) -> None:
+        self._kernel.launch(self.stream.ptr, packed, layer, grid_for(n, self._chunks, max_ctas))
+
+    def _pack(self, src: Side, dst: Side, n: int) -> bytes:
+        return pack_args(src, dst, self.role_bytes, self._first, self._chunks, n)
 
     def _device_ctas(self) -> int:
         return self._kernel.sms * DEVICE_CTAS_PER_SM
@@ -169,13 +186,12 @@ class CudaBlockMemory:
         if self._kernel is None:
             return self._read_by_gather(layer, ids, out)
         self._check_layer(layer)
-        table = self._table(ids, None, self.num_blocks)
-        src = cache_side(self._bases, self._layer_strides, self._block_strides, layer,
+        table = self._chunk(ids, None, self.num_blocks).table
+        src = cache_side(self._bases, self._layer_strides, self._block_strides,
                          table.data.ptr)
-        dst = rows_side(out.ctypes.data, self.role_bytes)
+        packed = self._pack(src, rows_side(out.ctypes.data, self.role_bytes), n)
         with cp.cuda.Device(self.device):
-            self._launch(pack_args(src, dst, self.role_bytes, self._first, self._chunks, n),
-                         n, HOST_CTAS)
+            self._launch(packed, layer, n, HOST_CTAS)
             self.stream.synchronize()
         return out
 
@@ -198,13 +214,15 @@ class CudaBlockMemory:
             self._write_by_scatter(layer, ids, host)
             return
         self._check_layer(layer)
-        table = self._table(None, ids, n)
-        src = rows_side(host.ctypes.data, self.role_bytes)
-        dst = cache_side(self._bases, self._layer_strides, self._block_strides, layer,
-                         table.data.ptr)
+        chunk = self._chunk(None, ids, n)
+        packed = chunk.packed.get(host.ctypes.data)  # the staging buffer is reused
+        if packed is None:
+            dst = cache_side(self._bases, self._layer_strides, self._block_strides,
+                             chunk.table.data.ptr)
+            packed = chunk.packed[host.ctypes.data] = self._pack(
+                rows_side(host.ctypes.data, self.role_bytes), dst, n)
         with cp.cuda.Device(self.device):
-            self._launch(pack_args(src, dst, self.role_bytes, self._first, self._chunks, n),
-                         n, HOST_CTAS)
+            self._launch(packed, layer, n, HOST_CTAS)
             self.stream.synchronize()
 
     # ------------------------------------------------------------- device to device
@@ -226,17 +244,19 @@ class CudaBlockMemory:
             return None
         self._check_layer(layer)
         cp = self._cp
-        table = self._table(src_ids, dst_ids, src.num_blocks)
+        chunk = self._chunk(src_ids, dst_ids, src.num_blocks)
+        packed = chunk.packed.get(src._key)  # a chunk may come from several sources
+        if packed is None:
+            ptr = chunk.table.data.ptr
+            packed = chunk.packed[src._key] = self._pack(
+                cache_side(src._bases, src._layer_strides, src._block_strides, ptr),
+                cache_side(self._bases, self._layer_strides, self._block_strides, ptr + 4 * n),
+                n)
         with cp.cuda.Device(self.device):
-            ptr = table.data.ptr
-            s = cache_side(src._bases, src._layer_strides, src._block_strides, layer, ptr)
-            d = cache_side(self._bases, self._layer_strides, self._block_strides, layer,
-                           ptr + 4 * n)
-            self._launch(pack_args(s, d, self.role_bytes, self._first, self._chunks, n),
-                         n, self._device_ctas())
+            self._launch(packed, layer, n, self._device_ctas())
             done = cp.cuda.Event(disable_timing=True)
             done.record(self.stream)
-        return _landed(done, [table])
+        return _landed(done, [chunk])
 
     # ------------------------------------------------------------- CuPy ops (fallback)
     def _read_by_gather(self, layer: int, ids: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -5,13 +5,18 @@ scatter. Catches wrong bases, strides, role offsets, chunking and table rows."""
 
 from __future__ import annotations
 
+import re
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import SOURCE_DIR
 from kernels.pd_copy import (
     ARGS_BYTES,
+    LAYER_OFFSET,
     cache_side,
     check_layout,
     emulate,
@@ -55,9 +60,9 @@ def caches(rng: np.random.Generator, roles: tuple[int, ...], layers: int, blocks
     return [np.full((layers, blocks, b), fill, np.uint8) for b in roles]
 
 
-def side(space_arrays: list[np.ndarray], addrs: list[int], layer: int, ids: int):
+def side(space_arrays: list[np.ndarray], addrs: list[int], ids: int):
     return cache_side(addrs, [a.strides[0] for a in space_arrays],
-                      [a.strides[1] for a in space_arrays], layer, ids)
+                      [a.strides[1] for a in space_arrays], ids)
 
 
 def view(flat: np.ndarray, addr: int, like: np.ndarray) -> np.ndarray:
@@ -82,8 +87,8 @@ def test_cache_to_cache_moves_every_role_of_one_layer(roles: tuple[int, ...]) ->
     table = np.stack([s_ids, d_ids]).astype(np.int32)
     ta = sp.add(table)
     first, cpb = role_chunks(roles)
-    packed = pack_args(side(src, sa, layer, ta), side(dst, da, layer, ta + 4 * len(s_ids)),
-                       roles, first, cpb, len(s_ids))
+    packed = pack_args(side(src, sa, ta), side(dst, da, ta + 4 * len(s_ids)),
+                       roles, first, cpb, len(s_ids), layer)
     assert len(packed) == ARGS_BYTES
     flat = sp.flat()
     emulate(packed, flat, {ta: table[0], ta + 4 * len(s_ids): table[1]})
@@ -111,11 +116,11 @@ def test_gather_into_rows_then_scatter_back_is_the_identity(roles, n, layer, see
     tables = {ts: s_ids, td: d_ids}
     first, cpb = role_chunks(roles)
     flat = sp.flat()
-    emulate(pack_args(side(cache, ca, layer, ts), rows_side(ra, roles), roles, first, cpb, n),
+    emulate(pack_args(side(cache, ca, ts), rows_side(ra, roles), roles, first, cpb, n, layer),
             flat, tables)
     wire = np.concatenate([a[layer][s_ids] for a in cache], axis=1)  # the wire order
     assert np.array_equal(view(flat, ra, rows), wire)
-    emulate(pack_args(rows_side(ra, roles), side(back, ba, layer, td), roles, first, cpb, n),
+    emulate(pack_args(rows_side(ra, roles), side(back, ba, td), roles, first, cpb, n, layer),
             flat, tables)
     for r, (a, b) in enumerate(zip(cache, back, strict=True)):
         want = b.copy()
@@ -137,3 +142,20 @@ def test_layouts_the_kernel_cannot_take_are_named() -> None:
     assert "multiple of 16" in check_layout([1024, 8], [0])
     assert "multiple of 16" in check_layout([1024], [8])
     assert "roles" in check_layout([16] * 9, [])
+
+
+def test_patching_the_layer_is_packing_it() -> None:
+    """``PdCopyKernel.launch`` patches the layer into a chunk's packed arguments."""
+    roles = (512, 512, 16, 16)
+    first, cpb = role_chunks(roles)
+    a, b = cache_side([4096] * 4, [1 << 20] * 4, [64] * 4, 96), rows_side(8192, roles)
+    buf = bytearray(pack_args(a, b, roles, first, cpb, 7))
+    struct.pack_into("<q", buf, LAYER_OFFSET, 5)
+    assert bytes(buf) == pack_args(a, b, roles, first, cpb, 7, layer=5)
+
+
+def test_the_kernels_argument_struct_is_the_one_packed() -> None:
+    """The sizes ``pd_copy.cu`` asserts at compile time are the ones packed here."""
+    src = (SOURCE_DIR / "pd_copy.cu").read_text()
+    assert re.search(r"sizeof\(PdCopyArgs\) == (\d+)", src).group(1) == str(ARGS_BYTES)
+    assert re.search(r"offsetof\(PdCopyArgs, layer\) == (\d+)", src).group(1) == str(LAYER_OFFSET)
