@@ -158,4 +158,33 @@ def test_the_kernels_argument_struct_is_the_one_packed() -> None:
     """The sizes ``pd_copy.cu`` asserts at compile time are the ones packed here."""
     src = (SOURCE_DIR / "pd_copy.cu").read_text()
     assert re.search(r"sizeof\(PdCopyArgs\) == (\d+)", src).group(1) == str(ARGS_BYTES)
-    assert re.search(r"offsetof\(PdCopyArgs, layer\) == (\d+)", src).group(1) == str(LAYER_OFFSET)
+    assert LAYER_OFFSET == ARGS_BYTES - 8
+    assert re.search(r"i64 layer;\s+// last", src), "the layer must stay the last member"
+
+
+def test_the_launcher_hands_the_driver_the_packed_layer() -> None:
+    """What ``PdCopyKernel.launch`` passes to ``cuLaunchKernel`` (its one argument
+    pointer, read back here as bytes), built without a GPU around the driver call."""
+    import ctypes
+
+    from kernels.pd_copy import PdCopyKernel
+
+    seen: list[tuple[int, bytes]] = []
+
+    def driver(fptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra) -> None:
+        arg0 = ctypes.cast(argv, ctypes.POINTER(ctypes.c_void_p))[0]
+        seen.append((gx, ctypes.string_at(arg0, ARGS_BYTES)))
+
+    k = object.__new__(PdCopyKernel)
+    k._params = ctypes.create_string_buffer(ARGS_BYTES)
+    k._argv = (ctypes.c_void_p * 1)(ctypes.addressof(k._params))
+    k._argv_ptr = ctypes.addressof(k._argv)
+    k._launch, k._fptr = driver, 1
+    roles = (1024, 1024)
+    first, cpb = role_chunks(roles)
+    a, b = cache_side([4096] * 2, [1 << 20] * 2, [1024] * 2, 96), rows_side(8192, roles)
+    packed = pack_args(a, b, roles, first, cpb, 3)
+    for layer in (4, 0, 31):
+        k.launch(0, packed, layer, 2)
+    k.launch(0, packed, 9, 0)  # an empty grid launches nothing
+    assert seen == [(2, pack_args(a, b, roles, first, cpb, 3, layer=x)) for x in (4, 0, 31)]
