@@ -125,7 +125,9 @@ def emulate(packed: bytes, space: np.ndarray, ids: dict[int, np.ndarray]) -> Non
 
 class PdCopyKernel:
     """The compiled kernel on one device, launched through ``cuLaunchKernel`` with one
-    reused argument buffer (the driver copies arguments at launch)."""
+    reused argument buffer (the driver copies arguments at launch). Shared by every
+    memory on the device (``kernel_for``): launch from one thread, the event loop's,
+    as the swap kernels are."""
 
     def __init__(self, device: int) -> None:
         cp = cupy_module()

@@ -6,7 +6,10 @@ scatter. Catches wrong bases, strides, role offsets, chunking and table rows."""
 from __future__ import annotations
 
 import re
+import shutil
 import struct
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,3 +191,18 @@ def test_the_launcher_hands_the_driver_the_packed_layer() -> None:
         k.launch(0, packed, layer, 2)
     k.launch(0, packed, 9, 0)  # an empty grid launches nothing
     assert seen == [(2, pack_args(a, b, roles, first, cpb, 3, layer=x)) for x in (4, 0, 31)]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not on PATH")
+def test_the_kernel_keeps_its_registers_and_its_arguments_in_place(tmp_path: Path) -> None:
+    """No spill (a chunk's 8 vectors a lane in local memory would halve the rate), and the
+    per-role arguments read in place from parameter space (no copy of the struct to a
+    stack frame), 16-byte loads."""
+    cubin, ptx = tmp_path / "pd.cubin", tmp_path / "pd.ptx"
+    base = ["nvcc", "-arch=sm_90", "-std=c++17", f"-I{SOURCE_DIR}", str(SOURCE_DIR / "pd_copy.cu")]
+    proc = subprocess.run([*base, "-cubin", "-Xptxas", "-v", "-o", str(cubin)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in proc.stderr
+    subprocess.run([*base, "-ptx", "-o", str(ptx)], check=True)
+    assert "ld.global.cs.v4.u32" in ptx.read_text()
