@@ -6,8 +6,9 @@ The same pieces as the real-time CPU world's instance
 (``exact`` by default: batch-invariant, so a request's tokens are the same
 whoever batched it, which is what lets a PD run be compared token for token
 with a colocated one) computes real tokens from real KV, and the PD transfers
-read and write the device KV through ``CudaBlockMemory`` (gather on the device,
-one copy through pinned host memory each way, then the TCP link).
+read and write the device KV through ``CudaBlockMemory`` (per frame one kernel
+gathers a layer's blocks straight into pinned host memory, or scatters a frame
+from pinned memory into the blocks; then the TCP link).
 
 ``PDExecutor`` adapts the GPU executor to a PD instance, in two ways:
 

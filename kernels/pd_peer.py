@@ -3,22 +3,27 @@
 ``CudaBlockMemory`` views a device cache laid out as ``CudaBackend`` keeps it
 (one ``[num_layers, num_blocks, role_bytes]`` array per role). Over the
 in-process link (``kvflow.pd.transports.inproc_ports``) two of them make the
-GPU transports of prefill/decode disaggregation:
+GPU transports of prefill/decode disaggregation. Every frame (one layer of a
+run of blocks, every role) is one launch of the PD copy kernel
+(``kernels/pd_copy.cu``), which reads both block tables on the device:
 
-* both on one GPU (two engines' pools on one device): a device-to-device copy,
-  per role a gather of the source blocks and a scatter into the destination;
-* on two GPUs of one host: the gathered blocks cross with one
-  ``cudaMemcpyPeerAsync`` per role and layer (NVLink or PCIe peer-to-peer where
-  the devices can reach each other, staged by the driver otherwise), then are
-  scattered on the destination device, ordered after the gather by an event.
+* both on one GPU (two engines' pools on one device): source blocks straight
+  into the destination's blocks;
+* on two GPUs of one host whose peer access is on (``enable_peer_access``): the
+  same kernel on the destination device reads the source device's memory
+  (NVLink or PCIe peer-to-peer). Where peer access is off, the kernel cannot
+  address the peer: the blocks are gathered on the source device, cross with
+  one ``cudaMemcpyPeerAsync`` per role (staged by the driver) and are scattered
+  on the destination, ordered by an event (``_copy_by_gather``);
+* over TCP (``read``/``write``): the kernel gathers a layer straight into pinned
+  host memory in the wire order, or scatters a frame from pinned memory into the
+  blocks (the SMs reach pinned memory through unified addressing).
 
+The block tables go to the device once per transfer, not per frame: they are
+kept by content (a small LRU), so every layer of a chunk reuses them; each is
+range-checked (and a destination table checked for duplicates) when uploaded.
 ``copy_from`` only enqueues; it returns an awaitable resolved once the layer's
-last scatter has run (the temporaries live until then), which is when the
-receiving port reports the frame landed. Over TCP the same object stages
-through pinned host memory: ``read`` gathers a layer on the device in the wire
-order and copies it to a pinned buffer in one piece, ``write`` copies a frame
-into a pinned buffer, to the device in one piece and scatters it (synchronously:
-the frame's buffer is reused).
+kernel has run, which is when the receiving port reports the frame landed.
 
 CuPy is imported when an object is built, never at import: ``kvflow`` does not
 import this module.
@@ -27,16 +32,48 @@ import this module.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kernels._cuda import cupy_module
+from kernels.pd_copy import (
+    Side,
+    cache_side,
+    check_layout,
+    grid_for,
+    kernel_for,
+    pack_args,
+    role_chunks,
+    rows_side,
+)
+from kernels.plan import validate_ids
 from kvflow.errors import ConfigError
 
 #: cudaMemcpyKind values (runtime API).
 _H2D, _D2H = 1, 2
+#: Block tables kept on the device per memory (by content): a transfer's chunks.
+IDS_CACHE = 256
+#: CTAs of a frame through pinned host memory: PCIe is saturated by a few
+#: (the swap kernel's 4 x 32 warps, kernels/swap.py), more only contend.
+HOST_CTAS = 16
+#: CTAs per SM at most for a device-to-device frame (8 warps each).
+DEVICE_CTAS_PER_SM = 4
+#: Peer pairs (reader device, device read) whose access ``enable_peer_access`` turned on.
+_PEERS: set[tuple[int, int]] = set()
+
+
+class _Chunk:
+    """A chunk's block table on the device, and the kernel's arguments packed for it
+    (by the other side's addresses)."""
+
+    __slots__ = ("packed", "table")
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.packed: dict[Any, bytes] = {}
 
 
 class CudaBlockMemory:
@@ -60,8 +97,22 @@ class CudaBlockMemory:
         self.num_layers, self.num_blocks = arrays[0].shape[:2]
         self.role_bytes = [int(a.shape[2]) for a in arrays]
         self.layer_bytes = sum(self.role_bytes)
+        # What the kernel addresses: element 0 and the layer / block strides per role.
+        self._bases = [int(a.data.ptr) for a in arrays]
+        self._layer_strides = [int(a.strides[0]) for a in arrays]
+        self._block_strides = [int(a.strides[1]) for a in arrays]
+        #: What a destination keeps packed arguments by: these addresses.
+        self._key = (device, *self._bases, *self._layer_strides, *self._block_strides)
+        addresses = [*self._bases, *self._layer_strides, *self._block_strides]
+        #: Why the kernel cannot move these caches (None: it can); the CuPy ops then.
+        self.kernel_unfit = check_layout(self.role_bytes, addresses)
+        if self.kernel_unfit is None and any(int(a.strides[2]) != 1 for a in arrays):
+            self.kernel_unfit = "a role's bytes are not contiguous"
+        self._first, self._chunks = role_chunks(self.role_bytes)
+        self._ids: OrderedDict[bytes, _Chunk] = OrderedDict()
         with cp.cuda.Device(device):
             self.stream = cp.cuda.Stream(non_blocking=True)
+            self._kernel = kernel_for(device) if self.kernel_unfit is None else None
         self._staging: np.ndarray | None = None  # pinned, for ``write``
 
     @classmethod
@@ -78,36 +129,76 @@ class CudaBlockMemory:
             arrays = [cp.zeros((num_layers, num_blocks, b), dtype=np.uint8) for b in role_bytes]
         return cls(device, arrays)
 
+    # ------------------------------------------------------------- block tables
+    def _chunk(self, src_ids: np.ndarray | None, dst_ids: np.ndarray | None,
+               src_blocks: int) -> _Chunk:
+        """The int32 device table for a frame's ids (rows: the source ids, the destination
+        ids, whichever are given), uploaded on first sight and then kept by content with
+        the kernel's packed arguments, so every layer of a chunk reuses both. Checked
+        when uploaded (``InvalidBlockId``): ids in range, no destination id twice (two
+        blocks landing on one)."""
+        given = [x for x in (src_ids, dst_ids) if x is not None]
+        key = b"|".join((b"%d %d" % (src_ids is not None, src_blocks),
+                         *(np.asarray(x, np.int64).tobytes() for x in given)))
+        chunk = self._ids.get(key)
+        if chunk is not None:
+            self._ids.move_to_end(key)
+            return chunk
+        n = len(given[0])
+        s32, d32 = validate_ids(np.zeros(n, np.int64) if src_ids is None else src_ids,
+                                np.arange(n) if dst_ids is None else dst_ids,
+                                src_blocks if src_ids is not None else 1,
+                                self.num_blocks if dst_ids is not None else n)
+        rows = [x for x, g in ((s32, src_ids), (d32, dst_ids)) if g is not None]
+        cp = self._cp
+        with cp.cuda.Device(self.device), self.stream:
+            chunk = self._ids[key] = _Chunk(cp.asarray(np.stack(rows)))
+        if len(self._ids) > IDS_CACHE:
+            self._ids.popitem(last=False)
+        return chunk
+
+    def _check_layer(self, layer: int) -> None:
+        """The kernel adds ``layer`` times a stride: a bad layer would address past the
+        cache, so it is refused here (the CuPy ops raised ``IndexError`` for it)."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+
+    def _launch(self, packed: bytes, layer: int, n: int, max_ctas: int) -> None:
+        self._kernel.launch(self.stream.ptr, packed, layer, grid_for(n, self._chunks, max_ctas))
+
+    def _pack(self, src: Side, dst: Side, n: int) -> bytes:
+        return pack_args(src, dst, self.role_bytes, self._first, self._chunks, n)
+
+    def _device_ctas(self) -> int:
+        return self._kernel.sms * DEVICE_CTAS_PER_SM
+
     # ------------------------------------------------------------- host staging (TCP)
     def read(self, layer: int, ids: np.ndarray) -> np.ndarray:
-        """Gather layer ``layer`` of ``ids`` on the device into wire order, then one
-        contiguous copy into pinned host memory (the array returned owns it, so a frame
-        being sent keeps its bytes however many reads follow)."""
+        """Gather layer ``layer`` of ``ids`` straight into pinned host memory in wire
+        order (one kernel; the array returned owns the memory, so a frame being sent
+        keeps its bytes however many reads follow)."""
         cp = self._cp
         n = len(ids)
         mem = cp.cuda.alloc_pinned_memory(max(n * self.layer_bytes, 1))
         out = np.frombuffer(mem, np.uint8, n * self.layer_bytes).reshape(n, self.layer_bytes)
         if n == 0:
             return out
-        with cp.cuda.Device(self.device), self.stream:
-            idx = cp.asarray(ids)
-            if len(self.arrays) == 1:
-                dev = self.arrays[0][layer][idx]
-            else:
-                dev = cp.empty((n, self.layer_bytes), cp.uint8)
-                off = 0
-                for a, b in zip(self.arrays, self.role_bytes, strict=True):
-                    dev[:, off:off + b] = a[layer][idx]
-                    off += b
-            cp.cuda.runtime.memcpyAsync(out.ctypes.data, dev.data.ptr, out.nbytes,
-                                        _D2H, self.stream.ptr)
+        if self._kernel is None:
+            return self._read_by_gather(layer, ids, out)
+        self._check_layer(layer)
+        table = self._chunk(ids, None, self.num_blocks).table
+        src = cache_side(self._bases, self._layer_strides, self._block_strides,
+                         table.data.ptr)
+        packed = self._pack(src, rows_side(out.ctypes.data, self.role_bytes), n)
+        with cp.cuda.Device(self.device):
+            self._launch(packed, layer, n, HOST_CTAS)
             self.stream.synchronize()
         return out
 
     def write(self, layer: int, ids: np.ndarray, data: np.ndarray) -> None:
-        """Copy ``data`` into a pinned staging buffer (reused), one contiguous copy to the
-        device, scatter into the roles' blocks; returns once the blocks hold it (the
-        frame's buffer is reused by the link after this)."""
+        """Copy ``data`` into a pinned staging buffer (reused), then one kernel scatters
+        it into the roles' blocks; returns once the blocks hold it (the frame's buffer
+        is reused by the link after this)."""
         cp = self._cp
         n = len(ids)
         if n == 0:
@@ -119,15 +210,19 @@ class CudaBlockMemory:
             self._staging = np.frombuffer(mem, np.uint8)
         host = self._staging[:nbytes].reshape(n, self.layer_bytes)
         np.copyto(host, np.asarray(data, np.uint8).reshape(n, self.layer_bytes))
-        with cp.cuda.Device(self.device), self.stream:
-            idx = cp.asarray(ids)
-            src = cp.empty((n, self.layer_bytes), cp.uint8)
-            cp.cuda.runtime.memcpyAsync(src.data.ptr, host.ctypes.data, nbytes, _H2D,
-                                        self.stream.ptr)
-            off = 0
-            for a, b in zip(self.arrays, self.role_bytes, strict=True):
-                a[layer][idx] = src[:, off:off + b]
-                off += b
+        if self._kernel is None:
+            self._write_by_scatter(layer, ids, host)
+            return
+        self._check_layer(layer)
+        chunk = self._chunk(None, ids, n)
+        packed = chunk.packed.get(host.ctypes.data)  # the staging buffer is reused
+        if packed is None:
+            dst = cache_side(self._bases, self._layer_strides, self._block_strides,
+                             chunk.table.data.ptr)
+            packed = chunk.packed[host.ctypes.data] = self._pack(
+                rows_side(host.ctypes.data, self.role_bytes), dst, n)
+        with cp.cuda.Device(self.device):
+            self._launch(packed, layer, n, HOST_CTAS)
             self.stream.synchronize()
 
     # ------------------------------------------------------------- device to device
@@ -138,6 +233,67 @@ class CudaBlockMemory:
             return None
         if src.role_bytes != self.role_bytes or src.num_layers != self.num_layers:
             raise ConfigError("CudaBlockMemory.copy_from: the two caches' layouts differ")
+        if len(src_ids) != len(dst_ids):
+            raise ConfigError(f"copy_from: {len(src_ids)} source ids, {len(dst_ids)} "
+                              "destination ids")
+        reach = src.device == self.device or (self.device, src.device) in _PEERS
+        if not reach or self._kernel is None or src._kernel is None:
+            return self._copy_by_gather(src, layer, src_ids, dst_ids)
+        n = len(src_ids)
+        if n == 0:
+            return None
+        self._check_layer(layer)
+        cp = self._cp
+        chunk = self._chunk(src_ids, dst_ids, src.num_blocks)
+        packed = chunk.packed.get(src._key)  # a chunk may come from several sources
+        if packed is None:
+            ptr = chunk.table.data.ptr
+            packed = chunk.packed[src._key] = self._pack(
+                cache_side(src._bases, src._layer_strides, src._block_strides, ptr),
+                cache_side(self._bases, self._layer_strides, self._block_strides, ptr + 4 * n),
+                n)
+        with cp.cuda.Device(self.device):
+            self._launch(packed, layer, n, self._device_ctas())
+            done = cp.cuda.Event(disable_timing=True)
+            done.record(self.stream)
+        return _landed(done, [chunk])
+
+    # ------------------------------------------------------------- CuPy ops (fallback)
+    def _read_by_gather(self, layer: int, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``read`` as CuPy ops (caches the kernel cannot address)."""
+        cp = self._cp
+        n = len(ids)
+        with cp.cuda.Device(self.device), self.stream:
+            idx = cp.asarray(ids)
+            dev = cp.empty((n, self.layer_bytes), cp.uint8)
+            off = 0
+            for a, b in zip(self.arrays, self.role_bytes, strict=True):
+                dev[:, off:off + b] = a[layer][idx]
+                off += b
+            cp.cuda.runtime.memcpyAsync(out.ctypes.data, dev.data.ptr, out.nbytes,
+                                        _D2H, self.stream.ptr)
+            self.stream.synchronize()
+        return out
+
+    def _write_by_scatter(self, layer: int, ids: np.ndarray, host: np.ndarray) -> None:
+        """``write`` as CuPy ops, from the pinned ``host`` rows."""
+        cp = self._cp
+        n = len(ids)
+        with cp.cuda.Device(self.device), self.stream:
+            idx = cp.asarray(ids)
+            src = cp.empty((n, self.layer_bytes), cp.uint8)
+            cp.cuda.runtime.memcpyAsync(src.data.ptr, host.ctypes.data, host.nbytes, _H2D,
+                                        self.stream.ptr)
+            off = 0
+            for a, b in zip(self.arrays, self.role_bytes, strict=True):
+                a[layer][idx] = src[:, off:off + b]
+                off += b
+            self.stream.synchronize()
+
+    def _copy_by_gather(self, src: CudaBlockMemory, layer: int, src_ids: np.ndarray,
+                        dst_ids: np.ndarray) -> Any:
+        """``copy_from`` as CuPy ops: per role a gather on the source device, a peer copy
+        where the devices differ, a scatter here (the path where peer access is off)."""
         cp = self._cp
         keep: list[Any] = []
         with cp.cuda.Device(src.device), src.stream:
@@ -167,11 +323,21 @@ class CudaBlockMemory:
         return _landed(done, keep)
 
 
+#: Polls of a copy's event on the loop before waiting in a thread: a frame's kernel
+#: is often done by the time its awaitable runs, and a thread hop costs ~50 us.
+_QUICK_POLLS = 3
+
+
 async def _landed(event: Any, keep: list[Any]) -> None:
     """Resolved once ``event`` has completed; ``keep`` (the temporaries the copy reads
     and writes) lives until then, and is released here, on the loop's thread."""
-    if not event.done:
-        await asyncio.get_running_loop().run_in_executor(None, event.synchronize)
+    for _ in range(_QUICK_POLLS):
+        if event.done:
+            break
+        await asyncio.sleep(0)
+    else:
+        if not event.done:
+            await asyncio.get_running_loop().run_in_executor(None, event.synchronize)
     keep.clear()
 
 
@@ -191,6 +357,7 @@ def enable_peer_access(a: int, b: int) -> bool:
             except rt.CUDARuntimeError as exc:  # already enabled is fine
                 if "PeerAccessAlreadyEnabled" not in str(exc):
                     raise
+    _PEERS.update(((a, b), (b, a)))
     return True
 
 

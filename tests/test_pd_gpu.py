@@ -9,6 +9,7 @@ Plain (not pytest-asyncio) tests on the real world's loop, like the other GPU te
 from __future__ import annotations
 
 import asyncio
+import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -130,5 +131,104 @@ def test_a_cuda_backends_caches_are_the_memory_it_views() -> None:
             assert np.array_equal(got, data[:, off:off + r.bytes_per_block]), r.name
             off += r.bytes_per_block
         assert np.array_equal(mem.read(1, np.array([5, 2])), data)
+
+    run(main)
+
+
+# --------------------------------------------------------------------------- the copy kernel
+#: Role sizes beside the ROLE_SPECS layouts: roles of several 4 KiB chunks with a partial
+#: last one, and one the kernel cannot take (not 16-byte multiples: the CuPy ops then).
+ODD_ROLES = {"multi-chunk": (2 * 4096 + 48, 16, 4096), "unaligned": (24, 40)}
+
+
+def raw_memories(role_bytes: tuple[int, ...], layers: int, src_blocks: int,
+                 dst_blocks: int) -> tuple[Any, Any]:
+    import cupy as cp
+
+    from kernels.pd_peer import CudaBlockMemory
+
+    src = CudaBlockMemory(0, [cp.random.randint(1, 256, (layers, src_blocks, b),
+                                                dtype=np.uint8) for b in role_bytes])
+    dst = CudaBlockMemory(0, [cp.full((layers, dst_blocks, b), POISON, dtype=np.uint8)
+                              for b in role_bytes])
+    cp.cuda.Device().synchronize()
+    return src, dst
+
+
+def role_bytes_of(name: str) -> tuple[int, ...]:
+    if name in ODD_ROLES:
+        return ODD_ROLES[name]
+    return tuple(r.bytes_per_block for r in ROLE_SPECS[name].layout.roles)
+
+
+def random_tables(rng: np.random.Generator, n: int, src_blocks: int,
+                  dst_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Out of order both sides; the source may name a block twice (one block to two
+    places); ids span both ends of each cache."""
+    src = rng.integers(0, src_blocks, n)
+    src[0], src[-1] = 0, src_blocks - 1
+    return src, rng.permutation(dst_blocks)[:n]
+
+
+@pytest.mark.parametrize("name", [*sorted(ROLE_SPECS), *ODD_ROLES])
+def test_copy_kernel_random_tables_every_role_bit_exact(name: str) -> None:
+    """``copy_from`` between two caches on one GPU, frames of random tables enqueued
+    back to back (layers in any order), against numpy on the host copies."""
+    roles = role_bytes_of(name)
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+
+    async def main() -> None:
+        src, dst = raw_memories(roles, 3, 40, 56)
+        assert (dst.kernel_unfit is None) == (name != "unaligned"), dst.kernel_unfit
+        want, have = wire_order(dst), wire_order(src)
+        pending = []
+        for _ in range(3):
+            s_ids, d_ids = random_tables(rng, int(rng.integers(1, 17)), 40, 56)
+            for layer in rng.permutation(3):
+                pending.append(dst.copy_from(src, int(layer), s_ids, d_ids))
+                want[layer][d_ids] = have[layer][s_ids]
+        await asyncio.gather(*[p for p in pending if p is not None])
+        assert np.array_equal(wire_order(dst), want)
+        assert np.array_equal(wire_order(src), have), "the source changed"
+        if dst.kernel_unfit is None:
+            assert len(dst._ids) == 3, "a table was uploaded more than once a chunk"
+
+    run(main)
+
+
+@pytest.mark.parametrize("name", [*sorted(ROLE_SPECS), *ODD_ROLES])
+def test_gather_to_pinned_and_scatter_back_every_role_bit_exact(name: str) -> None:
+    """``read`` (the kernel gathers into pinned rows) and ``write`` (scatters them)."""
+    roles = role_bytes_of(name)
+    rng = np.random.default_rng(7 + len(roles))
+    src, dst = raw_memories(roles, 2, 30, 45)
+    have, want = wire_order(src), wire_order(dst)
+    for _ in range(4):
+        layer = int(rng.integers(0, 2))
+        s_ids, d_ids = random_tables(rng, int(rng.integers(1, 20)), 30, 45)
+        rows = src.read(layer, s_ids)
+        assert np.array_equal(rows, have[layer][s_ids])
+        dst.write(layer, d_ids, rows)
+        want[layer][d_ids] = have[layer][s_ids]
+    assert np.array_equal(wire_order(dst), want)
+
+
+def test_bad_tables_are_refused_before_anything_moves() -> None:
+    from kvflow.errors import InvalidBlockId
+
+    src, dst = raw_memories((1024, 1024), 2, 8, 8)
+
+    async def main() -> None:
+        with pytest.raises(InvalidBlockId, match="duplicate"):
+            dst.copy_from(src, 0, np.array([1, 2]), np.array([3, 3]))
+        with pytest.raises(InvalidBlockId, match="out of range"):
+            dst.copy_from(src, 0, np.array([1, 8]), np.array([3, 4]))
+        with pytest.raises(InvalidBlockId, match="out of range"):
+            src.read(1, np.array([0, 9]))
+        with pytest.raises(InvalidBlockId, match="duplicate"):
+            dst.write(1, np.array([5, 5]), np.ones((2, 2048), np.uint8))
+        with pytest.raises(IndexError, match="layer 2"):
+            dst.copy_from(src, 2, np.array([1, 2]), np.array([3, 4]))
+        assert (wire_order(dst) == POISON).all()
 
     run(main)
