@@ -63,6 +63,10 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
 
 def config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
+    if cfg.store is not None:  # a Redis URL's password never reaches a report
+        from kvflow.stores.spec import describe_store
+
+        d["store"] = describe_store(cfg.store)
     d.update(trace=setup.trace_path, device_blocks=setup.capacities.device,
              host_blocks=setup.capacities.host, storage_blocks=setup.capacities.storage,
              block_tokens=setup.spec.block_tokens, bytes_per_block=setup.spec.bytes_per_block,
