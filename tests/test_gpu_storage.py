@@ -373,3 +373,19 @@ def test_gpu_replay_with_a_store_outputs_equal_an_all_resident_replay(tmp_path: 
     assert runs[1]["store"]["rediscovered"]["indexed"] > 0
     assert runs[1]["hit_rate"]["storage"] > runs[0]["hit_rate"]["storage"]
     assert math.isclose(runs[1]["config"]["storage_blocks"], 400)
+
+
+def test_the_executor_finds_the_cuda_task_behind_a_routed_handle() -> None:
+    """Found writing this: behind a ``RoutedBackend`` the executor's device-side waits got
+    a ``RoutedHandle`` (``CudaBackend.wait_layer`` raises TypeError on it)."""
+    from kernels.backend import CudaTask
+    from kernels.compute import cuda_task
+    from kvflow.backends import RoutedHandle
+
+    task = CudaTask.__new__(CudaTask)  # (its fields need a GPU; only its type matters here)
+    routed = RoutedHandle(object(), None, None)  # type: ignore[arg-type]
+    assert cuda_task(task) is task
+    assert cuda_task(routed) is None  # not on the GPU yet: the executor awaits the op
+    routed.inner = task
+    assert cuda_task(routed) is task
+    assert cuda_task(object()) is None
