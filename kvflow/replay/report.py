@@ -63,7 +63,9 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
 
 def config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
-    if cfg.store is not None:  # a Redis URL's password never reaches a report
+    if cfg.store is None:  # (a report without a store reads as it did before there was one)
+        d.pop("store")
+    else:  # a Redis URL's password never reaches a report
         from kvflow.stores.spec import describe_store
 
         d["store"] = describe_store(cfg.store)
