@@ -218,16 +218,17 @@ def test_numpy_world_through_a_real_store_matches_all_resident(
                 stats = store.stats
             finally:
                 store.close()
-            assert runtime.metrics.ops[OpKind.PREFETCH.value] > 0
-            assert stats.corrupt == 0
+            assert stats.corrupt == 0 and manager.stats.recomputed_blocks == 0
             # write_back stores only what host evicts, whose parents stayed above: such
             # blocks cannot be matched without them (prefix closure), so none is indexed
             warm = attempt == "warm" and write != "write_back"
             assert (manager.stats.found_copies > 0) == warm, manager.stats
-            if attempt == "cold":
+            if attempt == "cold":  # (whether a cold run reads storage depends on timing)
                 assert stats.put_ok > 0
-            if prefetch == "wait_complete":  # (the others cancel a prefetch not in time)
-                assert stats.hits > 0 and manager.stats.failed_ops == 0, (attempt, stats)
+            elif warm and prefetch == "wait_complete":  # (the others may cancel a prefetch)
+                # every turn's history is on storage only: read at arrival, then swapped in
+                assert runtime.metrics.ops[OpKind.PREFETCH.value] > 0
+                assert stats.hits > 0 and manager.stats.failed_ops == 0, stats
             assert tokens(ex.outputs) == tokens(ref), (attempt, write, prefetch)
 
 
@@ -338,9 +339,11 @@ def test_gpu_through_a_store_is_bit_identical_to_all_resident(tmp_path: Path, wr
             ex, manager, runtime = gpu_run(caps, write, prefetch, store)
         finally:
             store.close()
-        assert runtime.metrics.ops[OpKind.PREFETCH.value] > 0
-        assert prefetch != "wait_complete" or manager.stats.failed_ops == 0
-        assert (manager.stats.found_copies > 0) == (attempt == "warm" and write != "write_back")
+        warm = attempt == "warm" and write != "write_back"  # (see the numpy world's test)
+        assert (manager.stats.found_copies > 0) == warm
+        if warm and prefetch == "wait_complete":
+            assert runtime.metrics.ops[OpKind.PREFETCH.value] > 0
+            assert manager.stats.failed_ops == 0
         assert ex.outputs == ref.outputs, (attempt, write, prefetch)
 
 
