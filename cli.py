@@ -296,7 +296,12 @@ def replay(
     max_trace_bytes: Annotated[int | None, typer.Option(min=1, help=MAX_TRACE_BYTES_HELP)] = None,
     backend: Annotated[Backend, typer.Option(
         help="sim: the simulated hierarchy; cuda: the engine on this machine's GPU "
-             "(real kernels, wall-clock time; no storage tier).")] = Backend.sim,
+             "(real kernels, wall-clock time; a storage tier needs --store).")] = Backend.sim,
+    store: Annotated[str | None, typer.Option(
+        help="--backend cuda's storage tier: a real block store, dir:PATH (kept across "
+             "runs: a new run indexes what it holds) or redis://host:port/db (blocks "
+             "authenticated with KVFLOW_STORE_KEY_FILE's key). Storage -> device goes "
+             "through the host tier.")] = None,
     instances: Annotated[str, typer.Option(
         help="Engine instances (each its own GPU, tiers and scheduler), or 'auto': the "
              "fewest that serve the trace at a predicted utilisation of 0.7.")] = "auto",
@@ -393,7 +398,7 @@ def replay(
             tp=tp, pool_gb=pool_gb, pool_blocks=pool_blocks, pool_gb_per_s=pool_gb_per_s,
             nic_gb_per_s=nic_gb_per_s, nic_latency_s=nic_latency,
             executor=executor.value if backend is Backend.cuda else None,
-            host_layout=host_layout)
+            host_layout=host_layout, store=store)
         if cluster is not None:
             options = _with_cluster_file(ctx, options, resolve_path(str(cluster)))
         cfg = ReplayConfig(trace=str(resolve_path(trace)) if trace else None, **options)

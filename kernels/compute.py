@@ -120,6 +120,16 @@ def make_weights(shape: ModelShape, seed: int = 0) -> list[dict[str, Any]]:
     return out
 
 
+def cuda_task(handle: object) -> CudaTask | None:
+    """The ``CudaTask`` of a runtime task's handle: the handle itself, or, behind a
+    ``kvflow.backends.RoutedBackend`` (a world with a storage tier), the sub-backend's
+    handle once the op has been submitted to the GPU (None before that)."""
+    if isinstance(handle, CudaTask):
+        return handle
+    inner = getattr(handle, "inner", None)
+    return inner if isinstance(inner, CudaTask) else None
+
+
 class GpuExecutor(PagedExecutorBase):
     """``ComputeExecutor`` of the real world, over a ``CudaBackend``'s device KV.
 
@@ -241,9 +251,16 @@ class GpuExecutor(PagedExecutorBase):
                 if not t.ok:
                     await t.wait()  # raises TransferError
                 continue
-            if isinstance(t.handle, CudaTask) and not t.handle.started:
+            handle = cuda_task(t.handle)
+            if handle is None:
+                # Behind a RoutedBackend and not on the GPU yet: it waits for an op of
+                # another backend (a swap-in for the store read filling its host blocks).
+                # No CUDA event to wait on exists: wait for the whole op here.
+                await t.wait()  # raises TransferError if it failed
+                continue
+            if not handle.started:
                 await t.wait()  # failed before it started: its done(error) is on its way
-            pending.append(t)
+            pending.append(handle)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         with self._cp.cuda.Device(self.device):
@@ -320,7 +337,7 @@ class GpuExecutor(PagedExecutorBase):
             self._rmsnorm(h, x, T)
             self._gemm(x, w["wqkv"], qkv, T, s.qkv_dim, s.hidden, 0)
             for t in pending:  # layer i of every load this step reads (or overwrites) lands first
-                self.backend.wait_layer(stream, t.handle, layer)
+                self.backend.wait_layer(stream, t, layer)
             self.backend.pump()  # other ops' deferred layers keep pace (``eager_layers``)
             fn["kvflow_kv_write"]((T,), (128,), (qkv, i32(s.qkv_dim), i32(s.q_dim),
                                                  i32(s.kv_dim), meta("slots"),

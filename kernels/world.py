@@ -9,8 +9,15 @@ device-side waits. Times are wall-clock seconds where the
 simulator's are virtual, and per-transfer times come from CUDA events around
 each op on its stream, where the simulator takes them from its link model.
 
-The device has no storage tier here (``CudaBackend`` moves device <-> host
-only), so the storage tier must be 0. Pools default to what fits: device
+A storage tier needs a real block store (``store``: ``dir:PATH`` or a
+redis:// URL, ``kvflow.stores.spec``): host <-> storage runs through
+``kvflow.store_backend.StoreBackend`` over the pinned host pool
+(``kernels.host_blocks.CudaHostBlocks``), beside ``CudaBackend`` behind a
+``RoutedBackend`` — the very path the real-time CPU world tests. Storage ->
+device stages through the host tier (storage -> host -> device: the prefetch
+at arrival, then the swap-in), so a store needs host blocks; without a store
+the storage tier must be 0. At start the manager's index is rebuilt from what
+the store already holds (``kvflow.store_index``). Pools default to what fits: device
 blocks in the GPU memory left after weights and workspace, host blocks in a
 quarter of the machine's memory (pinned), both capped by the simulator's
 defaults. Before the first arrival every kernel runs once (NVRTC compiles,
@@ -33,6 +40,7 @@ from kvflow.profile import GpuProfile
 from kvflow.radix import Tier
 from kvflow.world import (
     DEFAULT_HOST_GB,
+    DEFAULT_STORAGE_GB,
     TierRequest,
     WorldSetup,
     blocks_for_gb,
@@ -58,10 +66,17 @@ def _workspace_bytes(spec: Any, tokens: int) -> int:
     return tokens * per_token + (64 << 20)
 
 
-def gpu_capacities(spec: ModelSpec, profile: GpuProfile, want: TierRequest) -> Capacities:
+def gpu_capacities(spec: ModelSpec, profile: GpuProfile, want: TierRequest,
+                   store: str | None = None) -> Capacities:
     """Pools for the GPU world: as asked, else what fits (see the module docstring)."""
-    if want.storage_blocks or want.storage_gb:
-        raise ConfigError("--backend cuda has no storage tier: give --storage-blocks 0")
+    storage = 0
+    if store is None:
+        if want.storage_blocks or want.storage_gb:
+            raise ConfigError("--backend cuda keeps a storage tier in a real block store: "
+                              "give --store dir:PATH or --store redis://..., or "
+                              "--storage-blocks 0")
+    else:
+        storage = storage_capacity(spec, want, store)
     cp = cupy_module()
     free, _ = cp.cuda.runtime.memGetInfo()
     if want.device_blocks is not None:
@@ -83,7 +98,29 @@ def gpu_capacities(spec: ModelSpec, profile: GpuProfile, want: TierRequest) -> C
     if device <= 0:
         raise ConfigError(f"model {spec.name} leaves no GPU memory for KV blocks "
                           f"({free / GiB:.1f} GiB free): give --device-blocks")
-    return Capacities(device, host, 0)
+    if storage and host <= 0:
+        raise ConfigError("--store: storage -> device goes through the host tier in the cuda "
+                          "world; give --host-blocks > 0")
+    return Capacities(device, host, storage)
+
+
+def storage_capacity(spec: ModelSpec, want: TierRequest, store: str) -> int:
+    """The storage tier over ``store``: as asked, else half a directory's free space."""
+    from kvflow.stores.spec import default_storage_bytes
+
+    if want.storage_blocks is not None:
+        blocks = want.storage_blocks
+    elif want.storage_gb is not None:
+        blocks = blocks_for_gb(want.storage_gb, spec)
+    else:
+        room = default_storage_bytes(store)
+        if room is None:
+            raise ConfigError(f"--store {store.split('@')[-1]}: give --storage-blocks or "
+                              "--storage-gb (the Redis server's memory bounds the tier)")
+        blocks = min(room // spec.bytes_per_block, blocks_for_gb(DEFAULT_STORAGE_GB, spec))
+    if blocks <= 0:
+        raise ConfigError(f"--store {store.split('@')[-1]}: the storage tier holds no block")
+    return int(blocks)
 
 
 def env_backend_options() -> dict[str, Any]:
@@ -157,19 +194,49 @@ def cuda_service_s(handle: Any) -> float | None:
     return cupy_module().cuda.get_elapsed_time(start, end) / 1e3
 
 
+def routed_service_s(handle: Any) -> float | None:
+    """An op's service time behind a ``RoutedBackend``: CUDA events for device <-> host
+    ops, the store call's loop times (first call to end) for host <-> storage ones."""
+    inner = getattr(handle, "inner", None)
+    if inner is None:
+        return None
+    if hasattr(inner, "start_event"):
+        return cuda_service_s(inner)
+    start, end = getattr(inner, "started_at", None), getattr(inner, "ended_at", None)
+    return None if start is None or end is None else end - start
+
+
 class CudaSite:
-    """The CUDA world, started on a real loop: backend, executor, fine clock, GC guard."""
+    """The CUDA world, started on a real loop: backend, executor, fine clock, GC guard.
+
+    ``storage``: the storage tier's ``StoreBackend`` and the store under it, when the
+    world has one; ``backend`` is then a ``RoutedBackend`` over both, ``gpu`` the
+    ``CudaBackend`` either way.
+    """
 
     def __init__(self, backend: Any, executor: Any, loop: asyncio.AbstractEventLoop,
-                 options: dict[str, Any], op_log: list[Any] | None) -> None:
+                 options: dict[str, Any], op_log: list[Any] | None,
+                 storage: Any = None, store: Any = None, store_name: str | None = None) -> None:
         from kernels.backend import LoopThreadGC
 
-        self.backend = backend
+        self.gpu = backend
         self.executor = executor
         self.options = options
         self.op_log = op_log
         backend.record_starts = True  # start events for cuda_service_s
         self.service_s = cuda_service_s
+        self.storage = storage
+        self.store = store
+        self.store_name = store_name
+        self.rediscovered: Any = None
+        self.backend = backend
+        if storage is not None:
+            from kvflow.backends import RoutedBackend
+
+            self.backend = RoutedBackend({
+                (Tier.HOST, Tier.DEVICE): backend, (Tier.DEVICE, Tier.HOST): backend,
+                (Tier.STORAGE, Tier.HOST): storage, (Tier.HOST, Tier.STORAGE): storage})
+            self.service_s = routed_service_s
         # Timestamps and arrivals on a fine clock aligned with the loop's: uvloop's
         # timers and loop.time() count whole milliseconds, which would add up to a
         # millisecond or two of harness lateness to every TTFT.
@@ -181,12 +248,31 @@ class CudaSite:
         await sleep_until(self.clock, when)
         self.lags.append(self.clock() - when)
 
+    def rediscover(self, manager: Any) -> None:
+        """Index what the store already holds (before the first arrival)."""
+        if self.store is not None:
+            from kvflow.store_index import rediscover
+
+            self.rediscovered = rediscover(manager, self.store)
+
+    async def drain(self) -> None:
+        """Wait for the store's writes in flight (backups the last requests started)."""
+        if self.storage is not None:
+            await self.storage.drain()
+
     def settle(self) -> None:
-        self.backend.synchronize()
+        self.gpu.synchronize()
 
     async def stop(self) -> None:
-        self.backend.synchronize()
-        self._collector.stop()
+        self.gpu.synchronize()
+        try:
+            if self.storage is not None:
+                await self.storage.drain()
+                self.storage.close()
+        finally:
+            if self.store is not None:
+                self.store.close()
+            self._collector.stop()
 
     def report(self, log: Any) -> dict[str, Any]:
         from kvflow.replay.report import summary
@@ -195,10 +281,17 @@ class CudaSite:
             self.op_log.extend((r[0], r[1], r[2], r[7]) for r in log.records
                                if r[5] and r[7] is not None)
         cp = cupy_module()
-        props = cp.cuda.runtime.getDeviceProperties(self.backend.device)
+        props = cp.cuda.runtime.getDeviceProperties(self.gpu.device)
         name = props["name"]
         ex = self.executor
-        return {"device": {
+        out: dict[str, Any] = {}
+        if self.storage is not None:
+            out["store"] = {
+                "store": self.store_name, "stats": self.store.stats.as_dict(),
+                "backend": self.storage.stats.as_dict(),
+                "rediscovered": (None if self.rediscovered is None
+                                 else self.rediscovered.as_dict())}
+        return {**out, "device": {
             "name": name.decode() if isinstance(name, bytes) else str(name),
             "backend_options": {k: v for k, v in self.options.items()
                                 if isinstance(v, (int, float))},
@@ -206,10 +299,23 @@ class CudaSite:
             "executor_gpu_s": ex.busy_s,
             "executor": getattr(ex, "kind", None),
             "outputs": sum(len(v) for v in ex.outputs.values()),
+            # Every request's sampled tokens and checksums, hashed: equal digests, equal
+            # outputs (the exact executor's are bit-identical whatever the tiers).
+            "outputs_digest": outputs_digest(ex.outputs),
             # How late each request reached the engine (timer wake-ups; uvloop's clock
             # counts whole ms): part of every GPU TTFT that the simulator does not see.
             "arrival_lag_s": summary(self.lags) if self.lags else None,
         }}
+
+
+def outputs_digest(outputs: dict[Any, list[tuple[int, int]]]) -> str:
+    """xxh3_64 over every request's ``(token, checksum)`` list, in request order."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for rid, toks in sorted(outputs.items(), key=lambda kv: repr(kv[0])):
+        h.update(repr((rid, toks)).encode())
+    return h.hexdigest()
 
 
 class CudaWorld:
@@ -219,14 +325,15 @@ class CudaWorld:
     default: ``env_backend_options()``); ``step_log``, a list, receives the
     executor's per-step records, and ``op_log`` one ``(kind, link, blocks,
     service_s)`` per completed transfer (calibration fits to both). ``executor``:
-    ``kernels.fast.EXECUTORS`` (default fast).
+    ``kernels.fast.EXECUTORS`` (default fast). ``store``: the storage tier's block
+    store, ``dir:PATH`` or a redis:// URL (``kvflow.stores.spec``; None: no storage).
     """
 
     name = "cuda"
 
     def __init__(self, backend_options: dict[str, Any] | None = None,
                  step_log: list[Any] | None = None, op_log: list[Any] | None = None,
-                 executor: str | None = None) -> None:
+                 executor: str | None = None, store: str | None = None) -> None:
         from kernels.fast import DEFAULT_EXECUTOR, EXECUTORS
 
         reason = gpu_unavailable_reason()
@@ -238,12 +345,17 @@ class CudaWorld:
         self.options = env_backend_options() if backend_options is None else backend_options
         self.step_log = step_log
         self.op_log = op_log
+        if store is not None:
+            from kvflow.stores.spec import parse_store
+
+            parse_store(store)
+        self.store = store
 
     def run(self, main: Coroutine[Any, Any, T]) -> T:
         return run_realtime_loop(main, new_loop)
 
     def capacities(self, spec: ModelSpec, profile: GpuProfile, want: TierRequest) -> Capacities:
-        return gpu_capacities(spec, profile, want)
+        return gpu_capacities(spec, profile, want, self.store)
 
     async def start(self, setup: WorldSetup) -> CudaSite:
         from kernels.backend import CudaBackend
@@ -260,8 +372,21 @@ class CudaWorld:
         await warm_up_links(backend)
         backend.synchronize()
         executor.step_log = self.step_log  # (calibration reads the engine's steps)
-        return CudaSite(backend, executor, loop, self.options, self.op_log)
+        if not caps.storage or self.store is None:
+            return CudaSite(backend, executor, loop, self.options, self.op_log)
+        from kernels.host_blocks import CudaHostBlocks
+        from kvflow.store_backend import StoreBackend
+        from kvflow.stores import Namespace
+        from kvflow.stores.spec import describe_store, open_store
 
+        store = open_store(self.store, Namespace.for_model(setup.spec), caps.storage)
+        try:
+            storage = StoreBackend(store, CudaHostBlocks(backend), setup.spec.num_layers)
+        except BaseException:
+            store.close()
+            raise
+        return CudaSite(backend, executor, loop, self.options, self.op_log, storage, store,
+                        describe_store(self.store))
 
     async def pd_instance(self, spec: ModelSpec, cfg: Any, role: str, seed: int = 0) -> Any:
         """One prefill, decode or colocated instance of ``kvflow serve-pd --backend cuda``
@@ -300,5 +425,6 @@ def run_gpu_replay(cfg: Any, progress: Callable[[int, int], None] | None = None,
 
     if cfg.backend != "cuda" or cfg.executor is None:  # the report names what ran
         cfg = dataclasses.replace(cfg, backend="cuda", executor=cfg.executor or "fast")
-    world = CudaWorld(backend_options, step_log, op_log, executor=cfg.executor)
+    world = CudaWorld(backend_options, step_log, op_log, executor=cfg.executor,
+                      store=cfg.store)
     return run_replay(cfg, progress, world=world, inspect=inspect, timeout_s=timeout_s)

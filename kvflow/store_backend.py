@@ -35,7 +35,10 @@ Already-stored blocks are not written again: before a put, ``contains_many``
 asks the store which keys it already holds (the manager's residency only knows
 what this process wrote; the store may hold blocks from an earlier run, or
 from another engine sharing Redis) and skips them — counted in
-``stats.write_skipped``, costing no write.
+``stats.write_skipped``, costing no write. After a write, each block's parent
+is recorded in the store (``BlockStore.put_links``: a hint, whose failure is
+counted and never fails the op), from which a new process rebuilds its index
+(``kvflow.store_index.rediscover``).
 
 Storage -> device (``SWAP_IN`` in a setup with no host tier) is not
 supported: it needs device memory this backend does not own. Such an op is
@@ -138,6 +141,8 @@ class StoreBackendStats:
     blocks_read: int = 0
     blocks_written: int = 0
     write_skipped: int = 0
+    links_written: int = 0
+    links_failed: int = 0
     read_misses: int = 0
     put_failed: int = 0
     timeouts: int = 0
@@ -194,6 +199,8 @@ class StoreBackend:
     ``after`` ops done), queueing for a worker included; ``None`` leaves the
     ``AsyncStore``'s own default. ``key_fn`` maps manager keys to store keys.
     ``skip_stored`` asks the store before each write which blocks it holds.
+    ``record_links`` records each written block's parent in the store
+    (``BlockStore.put_links``) for ``kvflow.store_index.rediscover``.
     """
 
     def __init__(
@@ -207,6 +214,7 @@ class StoreBackend:
         max_workers: int = 4,
         key_fn: Callable[[Hashable], int | bytes | str] = store_key,
         skip_stored: bool = True,
+        record_links: bool = True,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if isinstance(store, BlockStore):
@@ -235,6 +243,7 @@ class StoreBackend:
         self.write_timeout_s = write_timeout_s
         self.key_fn = key_fn
         self.skip_stored = skip_stored
+        self.record_links = record_links
         self.stats = StoreBackendStats()
         self._loop = loop
         self._slots: asyncio.Semaphore | None = None
@@ -363,7 +372,7 @@ class StoreBackend:
             todo = [i for i, h in enumerate(held) if not h]
             self.stats.write_skipped += op.num_blocks - len(todo)
         if not todo:
-            return None
+            return await self._link(op, keys, deadline)
         items: list[tuple[int | bytes | str, np.ndarray]] = []
         for i in todo:
             view = self.host.block_view(op.src_ids[i])
@@ -383,6 +392,30 @@ class StoreBackend:
                 f"{op.kind.value} op {op.op_id}: {len(failed)} of {len(todo)} blocks not "
                 f"stored ({last or 'no room or store down'}): {_some(failed)}")
         self.stats.blocks_written += len(todo)
+        return await self._link(op, keys, deadline)
+
+    async def _link(self, op: TransferOp, keys: list[int | bytes | str],
+                    deadline: float | None) -> None:
+        """Record the op's blocks' parents in the store (``BlockStore.put_links``), so that
+        a later process can rebuild its index from the store (``kvflow.store_index``).
+        A hint: failing to record one never fails the write (counted)."""
+        if not self.record_links or len(op.nodes) != len(keys):
+            return None
+        links = []
+        for key, node in zip(keys, op.nodes, strict=True):
+            parent = node.parent
+            links.append((key, None if parent is None else self.key_fn(parent.key)))
+        try:
+            ok = await self.store.put_links(links, timeout_s=self._left(deadline))
+        except StoreDeadlineError as exc:
+            await exc.settled
+            ok = False
+        except (TransferError, StoreClosedError):
+            ok = False
+        if ok:
+            self.stats.links_written += len(links)
+        else:
+            self.stats.links_failed += len(links)
         return None
 
     async def _store_call(

@@ -352,10 +352,16 @@ async def test_write_through_writes_every_block_once_at_insert() -> None:
     assert stored_keys(store) == manager_stored(stack) == set(KEY_USES)
     assert store.stats.put_ok == len(KEY_USES)  # each block written exactly once
     assert stack.runtime.metrics.ops["write"] == 0
-    # a fresh engine over the same store: everything is already there, nothing is rewritten
-    _, r2 = await one_pass(store, write_policy="write_through")
+    # a fresh engine over the same store: everything is already there, nothing is rewritten;
+    # one that does not index the store at start asks it before each write
+    _, r2 = await one_pass(store, write_policy="write_through", rediscover=False)
     assert store.stats.put_ok == len(KEY_USES)
     assert r2["store"]["backend"]["write_skipped"] == len(KEY_USES)
+    # one that does (the default) knows them from the start: it does not even ask
+    _, r3 = await one_pass(store, write_policy="write_through")
+    assert store.stats.put_ok == len(KEY_USES)
+    assert r3["store"]["rediscovered"]["indexed"] == len(KEY_USES)
+    assert r3["store"]["backend"]["write_ops"] == 0 and r3["hit_rate"]["storage"] > 0
 
 
 @pytest.mark.asyncio

@@ -47,6 +47,7 @@ from kvflow.replay.report import REPORT_VERSION, hit_rates, summary
 from kvflow.replay.transfer_log import TransferLog
 from kvflow.runtime import Runtime
 from kvflow.store_backend import StoreBackend
+from kvflow.store_index import Rediscovered, rediscover
 from kvflow.stores import AsyncStore, BlockStore
 from kvflow.world import new_loop
 from traces import Request
@@ -101,6 +102,8 @@ class RealtimeConfig:
     read_timeout_s: float | None = 1.0
     write_timeout_s: float | None = 2.0
     store_workers: int = 4
+    #: Index what the store already holds at start (``kvflow.store_index.rediscover``).
+    rediscover: bool = True
 
     def __post_init__(self) -> None:
         for name in ("device_blocks", "host_blocks", "storage_blocks"):
@@ -147,6 +150,10 @@ class RealtimeStack:
                                         write_timeout_s=cfg.write_timeout_s)
             routes[(Tier.STORAGE, Tier.HOST)] = self.storage
             routes[(Tier.HOST, Tier.STORAGE)] = self.storage
+        #: What the index took from the store at start (None: not asked, or no store).
+        self.rediscovered: Rediscovered | None = None
+        if self.store is not None and cfg.rediscover:
+            self.rediscovered = rediscover(self.manager, self.store)
         self.backend = RoutedBackend(routes)
         # Recorded like the simulator's, so both reports measure transfers the same way:
         # as columns of numbers (no per-op records), restarted at each pass.
@@ -290,7 +297,9 @@ class RealtimeStack:
                 "corrupt_reads": compute["corrupt_reads"],
             },
             "store": None if self.store is None else {
-                "stats": store, "backend": backend, "async": now["store_async"]},
+                "stats": store, "backend": backend, "async": now["store_async"],
+                "rediscovered": (None if self.rediscovered is None
+                                 else self.rediscovered.as_dict())},
             "compute": compute,
             "engine": {"steps": engine.stats.steps, "compute_busy_s": compute["busy_s"]},
             "evictions": dict(zip(("device", "host", "storage"), now["evictions"],

@@ -113,6 +113,9 @@ class ReplayConfig:
     # -- the cuda world ---------------------------------------------------------------------
     #: Its executor (``EXECUTORS``); None: "fast".
     executor: str | None = None
+    #: Its storage tier's block store (``kvflow.stores.spec``): "dir:PATH" or a redis://
+    #: URL; None: no storage tier. (The simulated world models storage as sizes.)
+    store: str | None = None
     # -- the host pool's layout (``kvflow.host_layout``) -------------------------------------
     #: ``layer_major`` (per layer and role, the default), ``block_major`` or ``grouped:G``:
     #: the piece size of every host <-> device copy, and how layer futures group.
@@ -158,6 +161,7 @@ class ReplayConfig:
             if self.backend != "cuda":
                 raise ConfigError("executor is the cuda world's compute: give it with "
                                   "backend 'cuda'")
+        self._check_store()
         for name in ("device_blocks", "host_blocks", "storage_blocks", "limit",
                      "device_gb", "host_gb", "storage_gb"):
             v = getattr(self, name)
@@ -208,6 +212,23 @@ class ReplayConfig:
     def has_pool(self) -> bool:
         """Whether the instances share a pool instead of each having its own storage."""
         return self.pool_blocks is not None or self.pool_gb is not None
+
+    def _check_store(self) -> None:
+        """A real block store: the GPU world's, staged through a host tier."""
+        if self.store is None:
+            return
+        from kvflow.stores.spec import parse_store
+
+        parse_store(self.store)
+        if self.backend != "cuda":
+            raise ConfigError(f"store {self.store!r} holds real bytes: give it with backend "
+                              "'cuda' (the simulated world models storage as sizes)")
+        if self.host_blocks == 0 or self.host_gb == 0:
+            raise ConfigError("store: storage -> device goes through the host tier in the "
+                              "cuda world (StoreBackend moves host <-> storage only); give "
+                              "host_blocks > 0")
+        if self.storage_blocks == 0 or self.storage_gb == 0:
+            raise ConfigError("store given with a storage tier of 0 blocks: drop one")
 
     def _check_hardware(self) -> None:
         """Tensor parallelism and the shared pool."""

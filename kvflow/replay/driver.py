@@ -98,7 +98,8 @@ def run_replay(cfg: ReplayConfig,
             inspect(manager, None)
         return assemble_report(cfg, setup, manager, body, t0)
     if world is None:
-        world = load_world(cfg.backend, **({"executor": cfg.executor} if cfg.executor else {}))
+        options = {k: v for k, v in (("executor", cfg.executor), ("store", cfg.store)) if v}
+        world = load_world(cfg.backend, **options)
     setup = resolve(cfg, world)
     auto = cfg.instances == "auto"
     if auto:
@@ -203,6 +204,10 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                 setup.spec, s.profile, s.capacities, cfg.seed,
                 cfg.max_batch_tokens + cfg.max_running, s.tp, gate,
                 host_layout=cfg.host_layout)))
+            # A world over a persistent store indexes what it holds before the first arrival.
+            rediscover = getattr(sites[-1], "rediscover", None)
+            if rediscover is not None:
+                rediscover(managers[len(sites) - 1])
         if pool is not None:
             pool.attach(managers)
         body = await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,
@@ -300,6 +305,9 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             if not run.done():
                 run.cancel()
     for s in sites:
+        drain = getattr(s, "drain", None)  # a world's own queues (a store's writes)
+        if drain is not None:
+            await drain()
         s.settle()
     for p in parts:
         p.sampler.sample()  # the last, partial interval

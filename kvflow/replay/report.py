@@ -71,6 +71,12 @@ def config_dict(cfg: ReplayConfig, setup: Setup) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     if d.get("host_layout") == "layer_major":
         del d["host_layout"]  # the default: reports stay as they were before layouts existed
+    if cfg.store is None:  # (a report without a store reads as it did before there was one)
+        d.pop("store")
+    else:  # a Redis URL's password never reaches a report
+        from kvflow.stores.spec import describe_store
+
+        d["store"] = describe_store(cfg.store)
     d.update(trace=setup.trace_path, device_blocks=setup.capacities.device,
              host_blocks=setup.capacities.host, storage_blocks=setup.capacities.storage,
              block_tokens=setup.spec.block_tokens, bytes_per_block=setup.spec.bytes_per_block,

@@ -191,6 +191,15 @@ class AsyncStore:
             timeout_s=timeout_s,
         )
 
+    async def put_links(
+        self, items: Sequence[tuple[Hashable, Hashable | None]], timeout_s: float | None = None
+    ) -> bool:
+        """``store.put_links(items)`` off the loop."""
+        return await self._run(
+            f"put_links of {len(items)} blocks", self.store.put_links, list(items),
+            timeout_s=timeout_s,
+        )
+
     async def delete(self, key: Hashable, timeout_s: float | None = None) -> bool:
         return await self._run("delete", self.store.delete, key, timeout_s=timeout_s)
 

@@ -163,6 +163,29 @@ def encode_key(key: Hashable) -> str:
     raise TypeError(f"block keys must be int, bytes or str, got {type(key).__name__}")
 
 
+def decode_key(encoded: str) -> int | bytes | str:
+    """The key ``encode_key`` encoded (``ValueError`` if ``encoded`` is not one).
+
+    A store's listing of its block links (``BlockStore.links``) keeps encoded
+    keys, so a new process can name the blocks an earlier one wrote.
+    """
+    tag, body = encoded[:1], encoded[1:]
+    try:
+        if tag == "i":
+            return int(body)
+        if tag == "h":
+            return bytes.fromhex(body)
+        if tag == "s":
+            return bytes.fromhex(body).decode()
+    except (ValueError, UnicodeDecodeError):
+        pass
+    raise ValueError(f"not an encoded block key: {encoded[:80]!r}")
+
+
+#: A block and its parent block (``None`` for the first block of a prompt).
+Link = tuple[Hashable, "Hashable | None"]
+
+
 def storage_name(encoded_key: str) -> str:
     """The file / Redis key suffix for an encoded key (a digest when it is too long)."""
     if len(encoded_key) <= MAX_PLAIN_KEY:
@@ -271,6 +294,28 @@ class BlockStore(abc.ABC):
                 out.append(True)
         return out
 
+    def put_links(self, items: Sequence[Link]) -> bool:
+        """Record each stored block's parent, so that a later process can rebuild a
+        prefix index from the store (``kvflow.store_index.rediscover``).
+
+        Links are hints, not data: a link whose block is gone is skipped at
+        rebuild, one whose block is corrupt is a miss at read. ``False`` where
+        they were not recorded (store trouble, counted; never raised). A store
+        that keeps no links (the default) answers ``False`` and lists none.
+        """
+        return False
+
+    def links(self) -> list[Link]:
+        """The ``(key, parent key or None)`` pairs recorded by ``put_links`` (in any
+        order; a key whose block has since gone may be among them). Store trouble
+        lists nothing (counted), never raises."""
+        return []
+
+    def forget_links(self, keys: Sequence[Hashable]) -> None:
+        """Drop the links of ``keys``, whose blocks were found gone (a store that
+        prunes its links itself, or keeps none, ignores this)."""
+        return None
+
     def close(self) -> None:
         """Release files, locks and connections; the store cannot be used afterwards."""
         self._closed = True
@@ -302,6 +347,19 @@ class BlockStore(abc.ABC):
         self.close()
 
     # -- helpers for implementations
+    @staticmethod
+    def _encode_link(key: Hashable, parent: Hashable | None) -> tuple[str, str]:
+        """A link as two encoded keys (``""`` for no parent)."""
+        return encode_key(key), "" if parent is None else encode_key(parent)
+
+    @staticmethod
+    def _decode_link(enc: str, enc_parent: str) -> Link | None:
+        """A link from two encoded keys; ``None`` if either is malformed (skipped)."""
+        try:
+            return decode_key(enc), (decode_key(enc_parent) if enc_parent else None)
+        except ValueError:
+            return None
+
     def _count(self, delta: StoreStats) -> None:
         with self._stats_lock:
             self._stats.add(delta)

@@ -5,6 +5,7 @@ Layout on disk::
     <root>/<namespace.name>/.lock          held (flock) while a store object has it open
     <root>/<namespace.name>/<xx>/<key>      one blob per block (see ``base`` for the format)
     <root>/<namespace.name>/<xx>/.tmp-...   a write in progress (never read; removed at open)
+    <root>/<namespace.name>/links           "<key> <parent key>" lines (``put_links``)
 
 ``<key>`` is the encoded key (``i-42``, ``h3fa9...``; a digest when very long)
 and ``<xx>`` the first two hex digits of its xxh3_64, so no directory grows past
@@ -31,7 +32,10 @@ Why it is safe:
   Every write and hit sets the file's mtime from a strictly increasing clock,
   so the LRU order survives a restart exactly (on filesystems with ns mtimes).
   Stray temporary files of a crashed writer are removed. Checksums are checked
-  lazily, on read.
+  lazily, on read. Each block's parent is appended to ``links`` as it is
+  stored (``put_links``), so a new process can rebuild its prefix index from
+  the directory (``links()``: the links whose blob is still here; the file is
+  compacted to them as it is read; a torn last line is skipped).
 
 One store object owns a namespace directory at a time (an exclusive ``flock``
 on ``.lock``): the index is per process, and two writers would each believe
@@ -58,6 +62,7 @@ from kvflow.errors import ConfigError
 from kvflow.stores.base import (
     HEADER_SIZE,
     BlockStore,
+    Link,
     Namespace,
     StoreStats,
     encode_header,
@@ -74,6 +79,7 @@ except ImportError:  # pragma: no cover
 
 TMP_PREFIX = ".tmp-"
 LOCK_NAME = ".lock"
+LINKS_NAME = "links"
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -138,6 +144,7 @@ class LocalDirStore(BlockStore):
         self._reserved = 0  # bytes of puts in flight (room made, file not yet in place)
         self._last_ns = 0
         self._tmp_seq = itertools.count()
+        self._links_lock = threading.Lock()
         self._made_dirs: set[str] = set()
         self.removed_tmp_files = 0  # stray temporary files removed when opening
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -488,6 +495,53 @@ class LocalDirStore(BlockStore):
             self._count(StoreStats(errors=1))
         return True
 
+    # ----------------------------------------------------------------------- links
+
+    def put_links(self, items: Sequence[Link]) -> bool:
+        self._check_open()
+        if not items:
+            return True
+        lines = "".join(f"{a} {b}\n" for a, b in (self._encode_link(k, p) for k, p in items))
+        try:
+            with self._links_lock, open(self.dir / LINKS_NAME, "a", encoding="ascii") as f:
+                f.write(lines)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as exc:
+            self._note_error(exc)
+            self._count(StoreStats(errors=1))
+            return False
+        return True
+
+    def links(self) -> list[Link]:
+        """Links of the blobs present now (the last line of a key wins); the file is
+        rewritten to hold only those."""
+        self._check_open()
+        path = self.dir / LINKS_NAME
+        latest: dict[str, str] = {}
+        try:
+            with self._links_lock:
+                with open(path, encoding="ascii", errors="replace") as f:
+                    for line in f:
+                        parts = line.split()
+                        if len(parts) in (1, 2) and line.endswith("\n"):
+                            latest[parts[0]] = parts[1] if len(parts) == 2 else ""
+                with self._lock:
+                    live = {k: p for k, p in latest.items() if storage_name(k) in self._index}
+                tmp = path.with_name(f"{TMP_PREFIX}{LINKS_NAME}-{os.getpid()}")
+                with open(tmp, "w", encoding="ascii") as f:
+                    f.write("".join(f"{k} {p}\n" for k, p in live.items()))
+                os.replace(tmp, path)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self._note_error(exc)
+            self._count(StoreStats(errors=1))
+            return []
+        out = [self._decode_link(k, p) for k, p in live.items()]
+        return [link for link in out if link is not None]
+
     def clear(self) -> None:
         """Delete every blob of this namespace."""
         self._check_open()
@@ -498,6 +552,8 @@ class LocalDirStore(BlockStore):
         for name in names:
             with contextlib.suppress(OSError):
                 os.unlink(self._file(name))
+        with self._links_lock, contextlib.suppress(OSError):
+            os.unlink(self.dir / LINKS_NAME)
 
     def __repr__(self) -> str:
         return (f"LocalDirStore({str(self.dir)!r}, blocks={len(self._index)}, "

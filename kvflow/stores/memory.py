@@ -16,6 +16,7 @@ from collections.abc import Hashable, Sequence
 from kvflow.errors import ConfigError
 from kvflow.stores.base import (
     BlockStore,
+    Link,
     Namespace,
     StoreStats,
     encode_blob,
@@ -38,6 +39,7 @@ class MemoryStore(BlockStore):
         self._blobs: OrderedDict[str, bytes] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
+        self._links: dict[str, str] = {}
 
     @property
     def used_bytes(self) -> int:
@@ -115,6 +117,19 @@ class MemoryStore(BlockStore):
             if blob is not None:
                 self._used -= len(blob)
         return blob is not None
+
+    def put_links(self, items: Sequence[Link]) -> bool:
+        self._check_open()
+        with self._lock:
+            self._links.update(self._encode_link(k, p) for k, p in items)
+        return True
+
+    def links(self) -> list[Link]:
+        """Links of this object's life (a memory store does not outlive its process)."""
+        self._check_open()
+        with self._lock:
+            pairs = list(self._links.items())
+        return [link for link in (self._decode_link(k, p) for k, p in pairs) if link]
 
     def lru_order(self) -> list[str]:
         """Storage names, least recently used first."""

@@ -50,6 +50,7 @@ from typing import Any
 from kvflow.errors import ConfigError
 from kvflow.stores.base import (
     BlockStore,
+    Link,
     MissingDependencyError,
     Namespace,
     StoreStats,
@@ -348,15 +349,76 @@ class RedisStore(BlockStore):
             return False
         return bool(n)
 
+    # ----------------------------------------------------------------------- links
+
+    @property
+    def _links_key(self) -> bytes:
+        # Block keys continue the prefix with i, h, s or z: "~" never collides.
+        return self._prefix + b"~links"
+
+    def put_links(self, items: Sequence[Link]) -> bool:
+        """One ``HSET`` of ``encoded key -> encoded parent`` into the namespace's hash.
+        (Links carry no MAC: a forged one can only name a block, which is then read
+        and verified like any other, or misses.)"""
+        self._check_open()
+        if not items:
+            return True
+        delta = StoreStats()
+        if self._is_down():
+            delta.errors += 1
+            self._count(delta)
+            return False
+        try:
+            self._client.hset(self._links_key, mapping=dict(
+                self._encode_link(k, p) for k, p in items))
+        except self._errors as exc:
+            self._failed(exc, delta)
+            self._count(delta)
+            return False
+        return True
+
+    def links(self) -> list[Link]:
+        """Every recorded link (``HSCAN``), whether or not its block is still held."""
+        self._check_open()
+        delta = StoreStats()
+        if self._is_down():
+            delta.errors += 1
+            self._count(delta)
+            return []
+        out: list[Link] = []
+        try:
+            for enc, parent in self._client.hscan_iter(self._links_key, count=1000):
+                link = self._decode_link(enc.decode("ascii", "replace"),
+                                         parent.decode("ascii", "replace"))
+                if link is not None:
+                    out.append(link)
+        except self._errors as exc:
+            self._failed(exc, delta)
+            self._count(delta)
+            return []
+        return out
+
+    def forget_links(self, keys: Sequence[Hashable]) -> None:
+        """Drop the links of blocks found gone (``HDEL``); store trouble is ignored."""
+        self._check_open()
+        if not keys or self._is_down():
+            return
+        with contextlib.suppress(self._errors):
+            self._client.hdel(self._links_key, *(encode_key(k) for k in keys))
+
     def clear(self) -> int:
-        """Delete every block of this namespace (SCAN + UNLINK); how many were deleted.
+        """Delete every block of this namespace (SCAN + UNLINK), its links too; how many
+        blocks were deleted.
 
         A maintenance call, not on the data path: redis-py errors propagate.
         """
         self._check_open()
         n = 0
         batch: list[bytes] = []
+        self._client.unlink(self._links_key)
         for k in self._client.scan_iter(match=self._prefix + b"*", count=1000):
+            if k == self._links_key:
+                continue
             batch.append(k)
             if len(batch) >= 1000:
                 n += self._client.unlink(*batch)
