@@ -10,7 +10,8 @@ storage -> host -> device (prefetched at arrival). Runs:
 2. ``write_through`` cold: an empty store;
 3. ``write_through`` warm: a new process over the same store, its index rebuilt
    from the store at start;
-4. ``write_back`` cold: another empty store.
+4. ``write_back`` cold: another empty store;
+5. ``write_through`` cold over the ``grouped:4`` and ``block_major`` host layouts.
 
 The exact executor's outputs are bit-identical whatever the batching, so every
 run's ``outputs_digest`` must equal the resident run's. Printed: a table of hit
@@ -103,6 +104,11 @@ def main() -> int:
         ("write_through warm", [*small, "--store", f"dir:{TMP / 'store_wt'}"]),
         ("write_back cold", [*small, "--write-policy", "write_back",
                              "--store", f"dir:{TMP / 'store_wb'}"]),
+        # the store over the other host layouts (kernels/layout_copy.py): same outputs
+        ("write_through cold grouped:4", [*small, "--host-layout", "grouped:4",
+                                          "--store", f"dir:{TMP / 'store_g4'}"]),
+        ("write_through cold block_major", [*small, "--host-layout", "block_major",
+                                            "--store", f"dir:{TMP / 'store_bm'}"]),
     ]
     reports: dict[str, dict[str, Any]] = {}
     rows = []
