@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <math.h>
 
 /* Copy states: must equal kvflow.index_core's (checked at import). */
 #define ABSENT 0
@@ -27,6 +28,7 @@
 static PyObject *NO_INFLIGHT;  /* kvflow.index_core.NO_INFLIGHT */
 static PyObject *STATE_NAMES;  /* kvflow.index_core.STATE_NAMES */
 static PyObject *TIER_NAMES;   /* kvflow.index_core.TIER_NAMES */
+static PyObject *s_remove, *s_first, *s_candidates;
 static PyObject *s_ref, *s_insert, *s_unref_all, *s_pop_front, *s_push_front,
     *s_orders_referenced;
 
@@ -1311,6 +1313,567 @@ static PyTypeObject BucketsType = {
     .tp_getset = Buckets_getset,
 };
 
+/* ------------------------------------------------------------- LinkedARC */
+
+/* kvflow.arc.ARC with its two lists linked through the nodes (the same per-tier
+ * links as LinkedLRU: one policy per tier). Everything else is ARC's exactly: the
+ * ghost lists B1, B2 stay OrderedDicts of keys (touched once per victim and per
+ * ghost hit), ``p`` a double updated by the same expressions. A node's
+ * ``rank[t]`` says where it is: 1 or 2 while linked in T1 or T2; while
+ * referenced (unlinked), 1 or 2 if it was in T1 or T2 when its reference came
+ * (Python's ``_held``), else 0. ``candidates`` stays in Python (kvflow.arc), on
+ * the primitives here. */
+
+typedef struct {
+    NodeObject *head, *tail;
+    Py_ssize_t size;
+} ArcList;
+
+typedef struct {
+    PyObject_HEAD
+    int tier;
+    Py_ssize_t capacity;
+    double p;
+    ArcList l[3];           /* l[1]: T1, l[2]: T2 */
+    PyObject *b[3];         /* b[1], b[2]: OrderedDict key -> None */
+    char *popped;           /* where the last pop_front's victims were, in order */
+    Py_ssize_t npopped, popcap;
+} ARCObject;
+
+static PyTypeObject ARCType;
+static PyObject *s_popitem;
+
+#define ARC_LINKED(o, n) (((n)->linked >> (o)->tier) & 1)
+
+static void
+arc_append(ARCObject *o, NodeObject *n, int w)
+{
+    int t = o->tier;
+    ArcList *l = &o->l[w];
+    Py_INCREF(n);
+    n->linked |= 1 << t;
+    n->rank[t] = w;
+    n->next[t] = NULL;
+    n->prev[t] = l->tail;
+    if (l->tail)
+        l->tail->next[t] = n;
+    else
+        l->head = n;
+    l->tail = n;
+    l->size++;
+}
+
+static void
+arc_prepend(ARCObject *o, NodeObject *n, int w)
+{
+    int t = o->tier;
+    ArcList *l = &o->l[w];
+    Py_INCREF(n);
+    n->linked |= 1 << t;
+    n->rank[t] = w;
+    n->prev[t] = NULL;
+    n->next[t] = l->head;
+    if (l->head)
+        l->head->prev[t] = n;
+    else
+        l->tail = n;
+    l->head = n;
+    l->size++;
+}
+
+/* Unlink a linked node (rank[t] is left as the list it was in); the caller
+ * inherits the list's reference. */
+static void
+arc_unlink(ARCObject *o, NodeObject *n)
+{
+    int t = o->tier;
+    ArcList *l = &o->l[n->rank[t]];
+    if (n->prev[t])
+        n->prev[t]->next[t] = n->next[t];
+    else
+        l->head = n->next[t];
+    if (n->next[t])
+        n->next[t]->prev[t] = n->prev[t];
+    else
+        l->tail = n->prev[t];
+    n->prev[t] = n->next[t] = NULL;
+    n->linked &= ~(1 << t);
+    l->size--;
+}
+
+static PyObject *
+ARC_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"tier", "capacity", NULL};
+    int tier;
+    Py_ssize_t capacity = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|n:LinkedARC", kwlist, &tier, &capacity))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) {
+        PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %d", tier);
+        return NULL;
+    }
+    ARCObject *o = (ARCObject *)type->tp_alloc(type, 0);
+    if (o == NULL)
+        return NULL;
+    o->tier = tier;
+    o->capacity = capacity < 1 ? 1 : capacity;
+    o->p = 0.0;
+    PyObject *od = PyImport_ImportModule("collections");
+    PyObject *odt = od ? PyObject_GetAttrString(od, "OrderedDict") : NULL;
+    Py_XDECREF(od);
+    if (odt == NULL) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    o->b[1] = PyObject_CallNoArgs(odt);
+    o->b[2] = PyObject_CallNoArgs(odt);
+    Py_DECREF(odt);
+    if (o->b[1] == NULL || o->b[2] == NULL) {
+        Py_DECREF(o);
+        return NULL;
+    }
+    return (PyObject *)o;
+}
+
+static int
+ARC_traverse(ARCObject *o, visitproc visit, void *arg)
+{
+    for (int w = 1; w <= 2; w++) {
+        for (NodeObject *n = o->l[w].head; n; n = n->next[o->tier])
+            Py_VISIT(n);
+        Py_VISIT(o->b[w]);
+    }
+    return 0;
+}
+
+static int
+ARC_clear(ARCObject *o)
+{
+    for (int w = 1; w <= 2; w++) {
+        while (o->l[w].head) {
+            NodeObject *n = o->l[w].head;
+            arc_unlink(o, n);
+            n->rank[o->tier] = 0;
+            Py_DECREF(n);
+        }
+        Py_CLEAR(o->b[w]);
+    }
+    return 0;
+}
+
+static void
+ARC_dealloc(ARCObject *o)
+{
+    PyObject_GC_UnTrack(o);
+    ARC_clear(o);
+    PyMem_Free(o->popped);
+    Py_TYPE(o)->tp_free((PyObject *)o);
+}
+
+/* A node's last reference went (or its copy became ready unreferenced). */
+static int
+arc_unref_one(ARCObject *o, NodeObject *n)
+{
+    int t = o->tier;
+    if (ARC_LINKED(o, n))  /* ordered already: as ``od[node] = None``, it stays put */
+        return 0;
+    if (n->rank[t]) {  /* held: used again, frequent */
+        arc_append(o, n, 2);
+        return 0;
+    }
+    PyObject *b1 = o->b[1], *b2 = o->b[2];
+    int in1 = PyDict_Contains(b1, n->key);
+    if (in1 < 0)
+        return -1;
+    if (in1) {  /* a ghost hit: T1 was too small */
+        double l1 = (double)PyDict_GET_SIZE(b1), l2 = (double)PyDict_GET_SIZE(b2);
+        double d = l2 / l1, np = o->p + (d > 1.0 ? d : 1.0);
+        o->p = (double)o->capacity < np ? (double)o->capacity : np;
+        if (PyObject_DelItem(b1, n->key) < 0)
+            return -1;
+        arc_append(o, n, 2);
+        return 0;
+    }
+    int in2 = PyDict_Contains(b2, n->key);
+    if (in2 < 0)
+        return -1;
+    if (in2) {  /* T2 was */
+        double l1 = (double)PyDict_GET_SIZE(b1), l2 = (double)PyDict_GET_SIZE(b2);
+        double d = l1 / l2, np = o->p - (d > 1.0 ? d : 1.0);
+        o->p = np > 0.0 ? np : 0.0;
+        if (PyObject_DelItem(b2, n->key) < 0)
+            return -1;
+        arc_append(o, n, 2);
+        return 0;
+    }
+    arc_append(o, n, 1);
+    return 0;
+}
+
+static PyObject *
+ARC_insert(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    if (((NodeObject *)arg)->ref == 0 && arc_unref_one(o, (NodeObject *)arg) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ARC_unref(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0 || arc_unref_one(o, (NodeObject *)arg) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ARC_unref_all(ARCObject *o, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "unref_all takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++)
+        if (arc_unref_one(o, (NodeObject *)items[i]) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ARC_ref(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (!ARC_LINKED(o, n)) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        return NULL;
+    }
+    arc_unlink(o, n);  /* rank[t] keeps 1 or 2: held */
+    Py_DECREF(n);
+    Py_RETURN_NONE;
+}
+
+/* Ghosts are kept to the capacity in all, B1 trimmed first while T1 and B1
+ * together exceed it (ARC's |T1| + |B1| <= c). */
+static int
+arc_trim_ghosts(ARCObject *o)
+{
+    PyObject *b1 = o->b[1], *b2 = o->b[2];
+    Py_ssize_t l1 = PyDict_GET_SIZE(b1), l2 = PyDict_GET_SIZE(b2);
+    Py_ssize_t over = l1 + l2 - o->capacity;
+    if (over <= 0)
+        return 0;
+    Py_ssize_t x = o->l[1].size + l1 - o->capacity;
+    if (x < 0)
+        x = 0;
+    Py_ssize_t from_b1 = over < l1 ? over : l1;
+    if (x < from_b1)
+        from_b1 = x;
+    if (l2 < over - from_b1)
+        from_b1 = over - l2;
+    for (int w = 1; w <= 2; w++) {
+        Py_ssize_t k = w == 1 ? from_b1 : over - from_b1;
+        for (Py_ssize_t i = 0; i < k; i++) {
+            PyObject *r = PyObject_CallMethodOneArg(o->b[w], s_popitem, Py_False);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+        }
+    }
+    return 0;
+}
+
+static PyObject *
+ARC_remove(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    int t = o->tier;
+    int w = (int)n->rank[t];
+    if (ARC_LINKED(o, n)) {
+        arc_unlink(o, n);
+        Py_DECREF(n);
+    }
+    else if (!w) {
+        Py_RETURN_NONE;
+    }
+    n->rank[t] = 0;
+    if (PyObject_SetItem(o->b[w], n->key, Py_None) < 0 || arc_trim_ghosts(o) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* ARC's REPLACE: T1's LRU end while T1 is over its target, else T2's; 0: none. */
+static int
+arc_victim_list(ARCObject *o)
+{
+    Py_ssize_t l1 = o->l[1].size, l2 = o->l[2].size;
+    if (l1 && ((double)l1 > o->p || !l2))
+        return 1;
+    return l2 ? 2 : 0;
+}
+
+static PyObject *
+ARC_first(ARCObject *o, PyObject *unused)
+{
+    int w = arc_victim_list(o);
+    return Py_NewRef(w ? (PyObject *)o->l[w].head : Py_None);
+}
+
+static PyObject *
+ARC_pop_front(ARCObject *o, PyObject *arg)
+{
+    Py_ssize_t k = PyLong_AsSsize_t(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *out = PyList_New(0);
+    if (out == NULL)
+        return NULL;
+    o->npopped = 0;
+    while (PyList_GET_SIZE(out) < k) {
+        int w = arc_victim_list(o);
+        if (!w)
+            break;
+        Py_ssize_t run = k - PyList_GET_SIZE(out);
+        if (w == 1 && o->l[2].size) {  /* as long as REPLACE would keep choosing T1 */
+            double c = ceil((double)o->l[1].size - o->p);
+            Py_ssize_t m = c < 1.0 ? 1 : (Py_ssize_t)c;
+            if (m < run)
+                run = m;
+        }
+        if (o->npopped + run > o->popcap) {
+            Py_ssize_t cap = o->popcap ? o->popcap : 64;
+            while (cap < o->npopped + run)
+                cap *= 2;
+            char *pp = PyMem_Realloc(o->popped, cap);
+            if (pp == NULL) {
+                Py_DECREF(out);
+                return PyErr_NoMemory();
+            }
+            o->popped = pp;
+            o->popcap = cap;
+        }
+        for (Py_ssize_t i = 0; i < run && o->l[w].head; i++) {
+            NodeObject *n = o->l[w].head;
+            arc_unlink(o, n);
+            n->rank[o->tier] = 0;
+            if (PyList_Append(out, (PyObject *)n) < 0 ||
+                PyObject_SetItem(o->b[w], n->key, Py_None) < 0) {
+                Py_DECREF(n);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(n);  /* the list holds it */
+            o->popped[o->npopped++] = (char)w;
+        }
+    }
+    if (arc_trim_ghosts(o) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *
+ARC_push_front(ARCObject *o, PyObject *arg)
+{
+    PyObject *seq = node_seq(arg, "push_front takes a sequence of nodes");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    if (len > o->npopped) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "push_front: more nodes than the last pop_front's");
+        return NULL;
+    }
+    Py_ssize_t base = o->npopped - len;
+    for (Py_ssize_t i = len - 1; i >= 0; i--) {
+        NodeObject *n = (NodeObject *)items[i];
+        int w = o->popped[base + i];
+        if (ARC_LINKED(o, n)) {
+            arc_unlink(o, n);
+            Py_DECREF(n);
+        }
+        arc_prepend(o, n, w);
+        PyObject *r = PyObject_CallMethod(o->b[w], "pop", "OO", n->key, Py_None);
+        if (r == NULL) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+ARC_move_to_end(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (!ARC_LINKED(o, n)) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        return NULL;
+    }
+    int w = (int)n->rank[o->tier];
+    arc_unlink(o, n);
+    arc_append(o, n, w);
+    Py_DECREF(n);
+    Py_RETURN_NONE;
+}
+
+/* Where the node is: 1 (T1), 2 (T2), else 0; ``held``: where a referenced one was. */
+static PyObject *
+ARC_where(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    return PyLong_FromLong(ARC_LINKED(o, n) ? (long)n->rank[o->tier] : 0);
+}
+
+static PyObject *
+ARC_held(ARCObject *o, PyObject *arg)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    return PyLong_FromLong(ARC_LINKED(o, n) ? 0 : (long)n->rank[o->tier]);
+}
+
+static PyObject *
+ARC_victim_list(ARCObject *o, PyObject *unused)
+{
+    return PyLong_FromLong(arc_victim_list(o));
+}
+
+static PyObject *
+arc_as_list(ARCObject *o, int w)
+{
+    PyObject *out = PyList_New(o->l[w].size);
+    if (out == NULL)
+        return NULL;
+    Py_ssize_t i = 0;
+    for (NodeObject *n = o->l[w].head; n; n = n->next[o->tier])
+        PyList_SET_ITEM(out, i++, Py_NewRef(n));
+    return out;
+}
+
+static PyObject *
+ARC_list(ARCObject *o, PyObject *arg)
+{
+    long w = PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    if (w != 1 && w != 2) {
+        PyErr_SetString(PyExc_ValueError, "ARC lists are 1 (T1) and 2 (T2)");
+        return NULL;
+    }
+    return arc_as_list(o, (int)w);
+}
+
+static PyObject *
+ARC_head(ARCObject *o, PyObject *arg)
+{
+    long w = PyLong_AsLong(arg);
+    if (w == -1 && PyErr_Occurred())
+        return NULL;
+    if (w != 1 && w != 2) {
+        PyErr_SetString(PyExc_ValueError, "ARC lists are 1 (T1) and 2 (T2)");
+        return NULL;
+    }
+    return Py_NewRef(o->l[w].head ? (PyObject *)o->l[w].head : Py_None);
+}
+
+static PyObject *
+ARC_tracked(ARCObject *o, PyObject *unused)
+{
+    PyObject *s = PySet_New(NULL);
+    for (int w = 1; s && w <= 2; w++)
+        for (NodeObject *n = o->l[w].head; n; n = n->next[o->tier])
+            if (PySet_Add(s, (PyObject *)n) < 0) {
+                Py_CLEAR(s);
+                break;
+            }
+    return s;
+}
+
+static Py_ssize_t
+ARC_len(ARCObject *o)
+{
+    return o->l[1].size + o->l[2].size;
+}
+
+static PyObject *
+ARC_get(ARCObject *o, void *which)
+{
+    switch ((int)(intptr_t)which) {
+    case 0: return PyLong_FromLong(o->tier);
+    case 1: return PyLong_FromSsize_t(o->capacity);
+    case 2: return PyFloat_FromDouble(o->p);
+    case 3: return Py_NewRef(o->b[1]);
+    default: return Py_NewRef(o->b[2]);
+    }
+}
+
+static PyMethodDef ARC_methods[] = {
+    {"insert", (PyCFunction)ARC_insert, METH_O, "Order a ready copy (if unreferenced)."},
+    {"remove", (PyCFunction)ARC_remove, METH_O, "Forget a copy: its key becomes a ghost."},
+    {"ref", (PyCFunction)ARC_ref, METH_O, "The node's reference count left 0: unorder it."},
+    {"unref", (PyCFunction)ARC_unref, METH_O, "The node's reference count reached 0."},
+    {"unref_all", (PyCFunction)ARC_unref_all, METH_O, "unref each, in order."},
+    {"first", (PyCFunction)ARC_first, METH_NOARGS, "REPLACE's victim, in O(1)."},
+    {"pop_front", (PyCFunction)ARC_pop_front, METH_O, "Remove and return up to k victims."},
+    {"push_front", (PyCFunction)ARC_push_front, METH_O, "Undo pop_front for these nodes."},
+    {"move_to_end", (PyCFunction)ARC_move_to_end, METH_O, "Move a node last in its list."},
+    {"where", (PyCFunction)ARC_where, METH_O, "1 (in T1), 2 (in T2) or 0."},
+    {"held", (PyCFunction)ARC_held, METH_O, "Where a referenced node was: 1, 2 or 0."},
+    {"victim_list", (PyCFunction)ARC_victim_list, METH_NOARGS, "REPLACE's list: 1, 2, 0."},
+    {"list", (PyCFunction)ARC_list, METH_O, "T1 (1) or T2 (2), LRU end first."},
+    {"head", (PyCFunction)ARC_head, METH_O, "The LRU end of T1 (1) or T2 (2), or None."},
+    {"tracked", (PyCFunction)ARC_tracked, METH_NOARGS, "The ordered nodes, as a set."},
+    {NULL},
+};
+
+static PyGetSetDef ARC_getset[] = {
+    {"tier", (getter)ARC_get, NULL, NULL, (void *)0},
+    {"capacity", (getter)ARC_get, NULL, NULL, (void *)1},
+    {"p", (getter)ARC_get, NULL, NULL, (void *)2},
+    {"_b1", (getter)ARC_get, NULL, NULL, (void *)3},
+    {"_b2", (getter)ARC_get, NULL, NULL, (void *)4},
+    {NULL},
+};
+
+static PySequenceMethods ARC_as_sequence = {
+    .sq_length = (lenfunc)ARC_len,
+};
+
+static PyTypeObject ARCType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvflow._index_core.LinkedARC",
+    .tp_doc = "ARC over one tier's unreferenced copies, its lists linked through the nodes.",
+    .tp_basicsize = sizeof(ARCObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .tp_new = ARC_tp_new,
+    .tp_dealloc = (destructor)ARC_dealloc,
+    .tp_traverse = (traverseproc)ARC_traverse,
+    .tp_clear = (inquiry)ARC_clear,
+    .tp_as_sequence = &ARC_as_sequence,
+    .tp_methods = ARC_methods,
+    .tp_getset = ARC_getset,
+};
+
 /* ------------------------------------------------------------------ Core */
 
 typedef struct {
@@ -1870,6 +2433,160 @@ fail:
     return NULL;
 }
 
+/* ``PrefixIndex.can_lose(node, tier)`` (no copy down). */
+static int
+core_can_lose(NodeObject *n, int tier)
+{
+    static const int other[NTIERS][2] = {{1, 2}, {0, 2}, {0, 1}};
+    if (n->ref || n->state[tier] != READY)
+        return 0;
+    return n->children == 0 || USABLE(n->state[other[tier][0]]) ||
+           USABLE(n->state[other[tier][1]]);
+}
+
+/* ``PrefixIndex.drop_copy(node, tier)`` of a READY copy, its block id appended to
+ * ``ids``; ``delta`` counts the unreferenced copies gone. 0, or -1 on an error. */
+static int
+core_drop_copy(CoreObject *c, NodeObject *n, int tier, PyObject *ids, Py_ssize_t *delta)
+{
+    LRUObject *lru = c->lru[tier];
+    if (lru) {
+        if (LINKED(lru, n)) {
+            lru_unlink(lru, n);
+            Py_DECREF(n);
+        }
+    }
+    else {
+        PyObject *r = PyObject_CallMethodOneArg(c->policy[tier], s_remove, (PyObject *)n);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    if (n->ref == 0)
+        (*delta)++;
+    PyObject *id = PyLong_FromLong(n->loc[tier]);
+    if (id == NULL || PyList_Append(ids, id) < 0) {
+        Py_XDECREF(id);
+        return -1;
+    }
+    Py_DECREF(id);
+    n->loc[tier] = -1;
+    n->state[tier] = ABSENT;
+    if (n->inflight && PyList_Check(n->inflight) && PyList_GET_SIZE(n->inflight) == NTIERS)
+        PyList_SetItem(n->inflight, tier, Py_NewRef(Py_None));
+    if (n->state[0] == ABSENT && n->state[1] == ABSENT && n->state[2] == ABSENT) {
+        if (n->children != 0) {
+            PyErr_Format(PyExc_AssertionError, "%R", (PyObject *)n);
+            return -1;
+        }
+        if (n->parent)
+            n->parent->children--;
+        if (PyDict_DelItem(c->nodes, n->key) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* One pass of ``PrefixIndex.victims(tier)`` (no copy down), each victim dropped as
+ * it comes, until ``ids`` holds ``count``. Returns how many it dropped, or -1. */
+static Py_ssize_t
+core_victims_pass(CoreObject *c, int tier, Py_ssize_t count, PyObject *ids, Py_ssize_t *delta)
+{
+    PyObject *policy = c->policy[tier];
+    Py_ssize_t dropped = 0;
+    /* The policy's O(1) first while it can lose it. */
+    for (;;) {
+        PyObject *o = PyObject_CallMethodNoArgs(policy, s_first);
+        if (o == NULL)
+            return -1;
+        if (o == Py_None) {
+            Py_DECREF(o);
+            break;
+        }
+        if (node_check(o) < 0) {
+            Py_DECREF(o);
+            return -1;
+        }
+        NodeObject *n = (NodeObject *)o;
+        if (!core_can_lose(n, tier)) {
+            Py_DECREF(o);
+            break;
+        }
+        int r = core_drop_copy(c, n, tier, ids, delta);
+        Py_DECREF(o);
+        if (r < 0)
+            return -1;
+        dropped++;
+        if (PyList_GET_SIZE(ids) >= count)
+            return dropped;
+    }
+    /* Then the full scan. */
+    PyObject *cands = PyObject_CallMethodNoArgs(policy, s_candidates);
+    if (cands == NULL)
+        return -1;
+    PyObject *it = PyObject_GetIter(cands);
+    Py_DECREF(cands);
+    if (it == NULL)
+        return -1;
+    PyObject *o;
+    while ((o = PyIter_Next(it)) != NULL) {
+        if (node_check(o) < 0) {
+            Py_DECREF(o);
+            Py_DECREF(it);
+            return -1;
+        }
+        NodeObject *n = (NodeObject *)o;
+        if (core_can_lose(n, tier)) {
+            int r = core_drop_copy(c, n, tier, ids, delta);
+            if (r < 0) {
+                Py_DECREF(o);
+                Py_DECREF(it);
+                return -1;
+            }
+            dropped++;
+            if (PyList_GET_SIZE(ids) >= count) {
+                Py_DECREF(o);
+                break;  /* the scan is left where it stands (closed, as a broken loop) */
+            }
+        }
+        Py_DECREF(o);
+    }
+    Py_DECREF(it);
+    if (PyErr_Occurred())
+        return -1;
+    return dropped;
+}
+
+static PyObject *
+Core_take_victims(CoreObject *c, PyObject *args)
+{
+    int tier;
+    Py_ssize_t count;
+    PyObject *ids;
+    if (!PyArg_ParseTuple(args, "inO!:take_victims", &tier, &count, &PyList_Type, &ids))
+        return NULL;
+    if (tier < 0 || tier >= NTIERS) {
+        PyErr_Format(PyExc_ValueError, "tier must be 0..2, got %d", tier);
+        return NULL;
+    }
+    Py_ssize_t delta = 0;
+    while (PyList_GET_SIZE(ids) < count) {
+        Py_ssize_t d = core_victims_pass(c, tier, count, ids, &delta);
+        if (d < 0) {
+            PyObject *et, *ev, *tb;  /* keep the counts true to what was done */
+            PyErr_Fetch(&et, &ev, &tb);
+            core_add_unreferenced(c, tier, -delta);
+            PyErr_Restore(et, ev, tb);
+            return NULL;
+        }
+        if (d == 0)
+            break;
+    }
+    if (core_add_unreferenced(c, tier, -delta) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Core_methods[] = {
     {"match", (PyCFunction)Core_match, METH_O, NULL},
     {"ref_all", (PyCFunction)Core_ref_all, METH_O, NULL},
@@ -1880,6 +2597,9 @@ static PyMethodDef Core_methods[] = {
     {"mark_computed", (PyCFunction)Core_mark_computed, METH_O, NULL},
     {"release", (PyCFunction)Core_release, METH_O, NULL},
     {"drop_front", (PyCFunction)Core_drop_front, METH_VARARGS, NULL},
+    {"take_victims", (PyCFunction)Core_take_victims, METH_VARARGS,
+     "CacheManager._take_victims with no copy down: victims dropped until ``ids`` "
+     "(a list, appended to) holds ``count``, pass after pass while one drops any."},
     {NULL},
 };
 
@@ -1921,8 +2641,9 @@ typedef struct {
     int64_t *starts;          /* per request, and one past the end */
     Py_ssize_t nreq, rcap;
     int32_t *nexts;           /* per access after finish: next request using it, or -1 */
-    int64_t *tkeys;           /* the int keys' table (open addressing) */
-    int32_t *tvals;           /* -1: empty slot */
+    int64_t *tkeys;           /* by id: the int key (others: unset) */
+    Py_ssize_t kcap;
+    int32_t *tvals;           /* the int keys' table (open addressing): ids, -1 empty */
     Py_ssize_t tmask, tused;
     PyObject *other;          /* dict: non-int key -> id */
     int32_t nkeys;
@@ -1942,34 +2663,32 @@ al_mix(uint64_t x)
     return x ^ (x >> 31);
 }
 
+/* The int keys' table: slots hold ids (-1: empty), ``ukeys[id]`` the key, so a
+ * distinct key costs 8 bytes plus 4 per slot (load <= 3/4), not a Python int in a
+ * dict (~100 bytes). */
 static int
 al_table_grow(AccessLogObject *o)
 {
     Py_ssize_t size = o->tmask ? 2 * (o->tmask + 1) : 1024;
-    int64_t *keys = PyMem_Malloc(size * sizeof(int64_t));
-    int32_t *vals = PyMem_Malloc(size * sizeof(int32_t));
-    if (keys == NULL || vals == NULL) {
-        PyMem_Free(keys);
-        PyMem_Free(vals);
+    int32_t *slots = PyMem_Malloc(size * sizeof(int32_t));
+    if (slots == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     for (Py_ssize_t i = 0; i < size; i++)
-        vals[i] = -1;
+        slots[i] = -1;
     Py_ssize_t mask = size - 1;
     for (Py_ssize_t i = 0; o->tmask && i <= o->tmask; i++) {
-        if (o->tvals[i] < 0)
+        int32_t id = o->tvals[i];
+        if (id < 0)
             continue;
-        Py_ssize_t j = (Py_ssize_t)(al_mix((uint64_t)o->tkeys[i]) & (uint64_t)mask);
-        while (vals[j] >= 0)
+        Py_ssize_t j = (Py_ssize_t)(al_mix((uint64_t)o->tkeys[id]) & (uint64_t)mask);
+        while (slots[j] >= 0)
             j = (j + 1) & mask;
-        keys[j] = o->tkeys[i];
-        vals[j] = o->tvals[i];
+        slots[j] = id;
     }
-    PyMem_Free(o->tkeys);
     PyMem_Free(o->tvals);
-    o->tkeys = keys;
-    o->tvals = vals;
+    o->tvals = slots;
     o->tmask = mask;
     return 0;
 }
@@ -1978,19 +2697,30 @@ al_table_grow(AccessLogObject *o)
 static int32_t
 al_int_id(AccessLogObject *o, int64_t k)
 {
-    if (2 * (o->tused + 1) > o->tmask + 1 && al_table_grow(o) < 0)
+    if (4 * (o->tused + 1) > 3 * (o->tmask + 1) && al_table_grow(o) < 0)
         return -1;
     Py_ssize_t j = (Py_ssize_t)(al_mix((uint64_t)k) & (uint64_t)o->tmask);
-    while (o->tvals[j] >= 0) {
-        if (o->tkeys[j] == k)
-            return o->tvals[j];
+    int32_t id;
+    while ((id = o->tvals[j]) >= 0) {
+        if (o->tkeys[id] == k)
+            return id;
         j = (j + 1) & o->tmask;
     }
     if (o->nkeys == INT32_MAX) {
         PyErr_SetString(PyExc_OverflowError, "AccessLog: more than 2**31 distinct keys");
         return -1;
     }
-    o->tkeys[j] = k;
+    if (o->nkeys >= o->kcap) {
+        Py_ssize_t cap = o->kcap ? o->kcap + o->kcap / 2 : 1024;
+        int64_t *keys = PyMem_Realloc(o->tkeys, cap * sizeof(int64_t));
+        if (keys == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        o->tkeys = keys;
+        o->kcap = cap;
+    }
+    o->tkeys[o->nkeys] = k;
     o->tvals[j] = o->nkeys;
     o->tused++;
     return o->nkeys++;
@@ -2046,7 +2776,7 @@ al_free_table(AccessLogObject *o)
     PyMem_Free(o->tvals);
     o->tkeys = NULL;
     o->tvals = NULL;
-    o->tmask = o->tused = 0;
+    o->tmask = o->tused = o->kcap = 0;
     Py_CLEAR(o->other);
 }
 
@@ -2379,7 +3109,8 @@ AccessLog_nbytes(AccessLogObject *o, PyObject *unused)
 {
     Py_ssize_t b = o->ncap * sizeof(int32_t) + o->rcap * sizeof(int64_t) +
                    (o->nexts ? o->n * sizeof(int32_t) : 0) +
-                   (o->tmask ? (o->tmask + 1) * (sizeof(int64_t) + sizeof(int32_t)) : 0);
+                   (o->tmask ? (o->tmask + 1) * sizeof(int32_t) : 0) +
+                   o->kcap * sizeof(int64_t);
     return PyLong_FromSsize_t(b);
 }
 
@@ -2492,15 +3223,22 @@ PyInit__index_core(void)
         !(s_unref_all = PyUnicode_InternFromString("unref_all")) ||
         !(s_pop_front = PyUnicode_InternFromString("pop_front")) ||
         !(s_push_front = PyUnicode_InternFromString("push_front")) ||
-        !(s_orders_referenced = PyUnicode_InternFromString("orders_referenced")))
+        !(s_orders_referenced = PyUnicode_InternFromString("orders_referenced")) ||
+        !(s_popitem = PyUnicode_InternFromString("popitem")) ||
+        !(s_remove = PyUnicode_InternFromString("remove")) ||
+        !(s_first = PyUnicode_InternFromString("first")) ||
+        !(s_candidates = PyUnicode_InternFromString("candidates")))
         return NULL;
     if (PyType_Ready(&NodeType) < 0 || PyType_Ready(&TripleType) < 0 ||
         PyType_Ready(&LRUType) < 0 || PyType_Ready(&BucketsType) < 0 ||
-        PyType_Ready(&CoreType) < 0 || PyType_Ready(&AccessLogType) < 0)
+        PyType_Ready(&CoreType) < 0 || PyType_Ready(&AccessLogType) < 0 ||
+        PyType_Ready(&ARCType) < 0)
         return NULL;
     if (PyDict_SetItemString(LRUType.tp_dict, "orders_referenced", Py_False) < 0 ||
-        PyDict_SetItemString(BucketsType.tp_dict, "orders_referenced", Py_False) < 0)
+        PyDict_SetItemString(BucketsType.tp_dict, "orders_referenced", Py_False) < 0 ||
+        PyDict_SetItemString(ARCType.tp_dict, "orders_referenced", Py_False) < 0)
         return NULL;
+    PyType_Modified(&ARCType);
     PyType_Modified(&LRUType);
     PyType_Modified(&BucketsType);
     PyObject *m = PyModule_Create(&moduledef);
@@ -2510,7 +3248,8 @@ PyInit__index_core(void)
         PyModule_AddObjectRef(m, "LinkedLRU", (PyObject *)&LRUType) < 0 ||
         PyModule_AddObjectRef(m, "LinkedBuckets", (PyObject *)&BucketsType) < 0 ||
         PyModule_AddObjectRef(m, "Core", (PyObject *)&CoreType) < 0 ||
-        PyModule_AddObjectRef(m, "AccessLog", (PyObject *)&AccessLogType) < 0) {
+        PyModule_AddObjectRef(m, "AccessLog", (PyObject *)&AccessLogType) < 0 ||
+        PyModule_AddObjectRef(m, "LinkedARC", (PyObject *)&ARCType) < 0) {
         Py_DECREF(m);
         return NULL;
     }
