@@ -44,6 +44,7 @@ from kvflow.policy import (
     LinkedLengthAware,
     LinkedLFU,
     LinkedLRU,
+    LinkedS3FIFO,
     make_eviction_policy,
 )
 
@@ -70,7 +71,8 @@ NATIVE_ORDERS: dict[str, Callable[[int, int], EvictionPolicy]] = {
         ("lru", LinkedLRU and (lambda t, cap: LinkedLRU(t))),
         ("lfu", LinkedLFU and (lambda t, cap: LinkedLFU(t))),
         ("length_aware", LinkedLengthAware and (lambda t, cap: LinkedLengthAware(t))),
-        ("arc", LinkedARC))
+        ("arc", LinkedARC),
+        ("s3fifo", LinkedS3FIFO))
     if make is not None}
 
 

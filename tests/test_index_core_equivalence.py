@@ -44,6 +44,7 @@ from kvflow.policy import (
     LinkedLengthAware,
     LinkedLFU,
     LinkedLRU,
+    LinkedS3FIFO,
     PrefetchPolicy,
     WritePolicy,
 )
@@ -65,8 +66,8 @@ pytestmark = pytest.mark.skipif(
            "pip install): nothing to compare the Python core with")
 
 SIDES = ("python", "native")
-#: Policies compared: the native core links ARC, LRU, LFU and length-aware through its
-#: nodes (``NATIVE_ORDERS``), the Python core runs their Python classes.
+#: Policies compared: the native core links each through its nodes (``NATIVE_ORDERS``),
+#: the Python core runs their Python classes.
 EVICTIONS = ["lru", "lfu", "s3fifo", "length_aware", "arc"]
 EXAMPLES = float(os.environ.get("KVFLOW_EQUIV_EXAMPLES", "1"))
 STEPS = float(os.environ.get("KVFLOW_EQUIV_STEPS", "1"))
@@ -116,7 +117,7 @@ def _policy_desc(policy, index):
         return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked)
     if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
         return (*_arc_desc(policy, nodes.values(), k), tracked)
-    assert isinstance(policy, S3FIFO), policy
+    assert isinstance(policy, S3FIFO | LinkedS3FIFO), policy  # type: ignore[operator]
     freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
     return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
             list(policy._ghost), freq, policy.capacity, tracked)
@@ -549,7 +550,7 @@ class _Pair:
                     None if first is None else k(first))
         if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
             return (*_arc_desc(policy, self.handles[s], k), tracked)
-        if isinstance(policy, S3FIFO):
+        if isinstance(policy, S3FIFO | LinkedS3FIFO):  # type: ignore[operator]
             return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
                     list(policy._ghost), sorted(((k(n), f) for n, f in policy._freq.items()),
                                                 key=repr), tracked)
