@@ -1313,12 +1313,185 @@ static PyTypeObject BucketsType = {
     .tp_getset = Buckets_getset,
 };
 
+/* ---------------------------------------------------------------- Ghosts */
+
+/* A FIFO of keys with O(1) membership: ARC's B1 and B2, S3-FIFO's ghost queue,
+ * with exactly an OrderedDict's semantics as those policies use one (adding a
+ * present key keeps its place; a deleted key added again goes last), at a
+ * dict operation per step and no method calls: ``map`` takes each present key
+ * to the sequence number of its entry in ``ring``, where entries of keys deleted
+ * since (or added again later) are stale and skipped. */
+typedef struct {
+    PyObject *map;          /* dict key -> int */
+    PyObject **rkey;        /* ring[head:head+len]: keys (strong references) */
+    long long *rseq;
+    Py_ssize_t head, len, cap;
+    long long next_seq;
+} Ghosts;
+
+static int
+ghosts_init(Ghosts *g)
+{
+    memset(g, 0, sizeof *g);
+    g->map = PyDict_New();
+    return g->map ? 0 : -1;
+}
+
+static void
+ghosts_clear(Ghosts *g)
+{
+    for (Py_ssize_t i = 0; i < g->len; i++)
+        Py_DECREF(g->rkey[g->head + i]);
+    PyMem_Free(g->rkey);
+    PyMem_Free(g->rseq);
+    g->rkey = NULL;
+    g->rseq = NULL;
+    g->head = g->len = g->cap = 0;
+    Py_CLEAR(g->map);
+}
+
+static int
+ghosts_traverse(Ghosts *g, visitproc visit, void *arg)
+{
+    Py_VISIT(g->map);
+    for (Py_ssize_t i = 0; i < g->len; i++)
+        Py_VISIT(g->rkey[g->head + i]);
+    return 0;
+}
+
+/* 1: ring entry ``i`` (absolute) is its key's live one; 0: stale; -1: error. */
+static int
+ghosts_live(Ghosts *g, Py_ssize_t i)
+{
+    PyObject *v = PyDict_GetItemWithError(g->map, g->rkey[i]);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    long long s = PyLong_AsLongLong(v);
+    if (s == -1 && PyErr_Occurred())
+        return -1;
+    return s == g->rseq[i];
+}
+
+/* Room for one more entry: drop stale entries (compacting), else grow. */
+static int
+ghosts_room(Ghosts *g)
+{
+    if (g->head + g->len < g->cap)
+        return 0;
+    if (g->len > 2 * PyDict_GET_SIZE(g->map) + 16 || g->head > g->cap / 2) {
+        Py_ssize_t m = 0;
+        for (Py_ssize_t i = g->head; i < g->head + g->len; i++) {
+            int live = ghosts_live(g, i);
+            if (live < 0)
+                return -1;
+            if (live) {
+                g->rkey[m] = g->rkey[i];
+                g->rseq[m++] = g->rseq[i];
+            }
+            else {
+                Py_DECREF(g->rkey[i]);
+            }
+        }
+        g->head = 0;
+        g->len = m;
+        if (m < g->cap / 2 + 1 && g->cap)
+            return 0;
+    }
+    Py_ssize_t cap = g->cap ? 2 * g->cap : 64;
+    PyObject **k = PyMem_Realloc(g->rkey, cap * sizeof(PyObject *));
+    if (k == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    g->rkey = k;
+    long long *s = PyMem_Realloc(g->rseq, cap * sizeof(long long));
+    if (s == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    g->rseq = s;
+    g->cap = cap;
+    return 0;
+}
+
+/* ``od[key] = None``: last if new, in place if present. */
+static int
+ghosts_add(Ghosts *g, PyObject *key)
+{
+    int in = PyDict_Contains(g->map, key);
+    if (in)
+        return in < 0 ? -1 : 0;
+    if (ghosts_room(g) < 0)
+        return -1;
+    PyObject *seq = PyLong_FromLongLong(g->next_seq);
+    if (seq == NULL)
+        return -1;
+    int r = PyDict_SetItem(g->map, key, seq);
+    Py_DECREF(seq);
+    if (r < 0)
+        return -1;
+    Py_ssize_t i = g->head + g->len++;
+    g->rkey[i] = Py_NewRef(key);
+    g->rseq[i] = g->next_seq++;
+    return 0;
+}
+
+/* ``od.pop(key, None)``: 1 if it was there. */
+static int
+ghosts_discard(Ghosts *g, PyObject *key)
+{
+    int in = PyDict_Contains(g->map, key);
+    if (in <= 0)
+        return in;
+    return PyDict_DelItem(g->map, key) < 0 ? -1 : 1;
+}
+
+/* ``od.popitem(last=False)`` (the caller knows it is not empty). */
+static int
+ghosts_pop_oldest(Ghosts *g)
+{
+    while (g->len) {
+        Py_ssize_t i = g->head;
+        int live = ghosts_live(g, i);
+        if (live < 0)
+            return -1;
+        PyObject *key = g->rkey[i];
+        g->head++;
+        g->len--;
+        int r = live ? PyDict_DelItem(g->map, key) : 0;
+        Py_DECREF(key);
+        if (live)
+            return r;
+    }
+    PyErr_SetString(PyExc_KeyError, "ghost list is empty");
+    return -1;
+}
+
+#define GHOSTS_LEN(g) PyDict_GET_SIZE((g)->map)
+
+/* The present keys, oldest first, as an OrderedDict (what the Python classes keep). */
+static PyObject *
+ghosts_snapshot(Ghosts *g)
+{
+    PyObject *mod = PyImport_ImportModule("collections");
+    PyObject *odt = mod ? PyObject_GetAttrString(mod, "OrderedDict") : NULL;
+    Py_XDECREF(mod);
+    PyObject *od = odt ? PyObject_CallNoArgs(odt) : NULL;
+    Py_XDECREF(odt);
+    for (Py_ssize_t i = g->head; od && i < g->head + g->len; i++) {
+        int live = ghosts_live(g, i);
+        if (live < 0 || (live && PyObject_SetItem(od, g->rkey[i], Py_None) < 0))
+            Py_CLEAR(od);
+    }
+    return od;
+}
+
 /* ------------------------------------------------------------- LinkedARC */
 
 /* kvflow.arc.ARC with its two lists linked through the nodes (the same per-tier
  * links as LinkedLRU: one policy per tier). Everything else is ARC's exactly: the
- * ghost lists B1, B2 stay OrderedDicts of keys (touched once per victim and per
- * ghost hit), ``p`` a double updated by the same expressions. A node's
+ * ghost lists B1, B2 are ``Ghosts`` (an OrderedDict's semantics; touched once per
+ * victim and per ghost hit), ``p`` a double updated by the same expressions. A node's
  * ``rank[t]`` says where it is: 1 or 2 while linked in T1 or T2; while
  * referenced (unlinked), 1 or 2 if it was in T1 or T2 when its reference came
  * (Python's ``_held``), else 0. ``candidates`` stays in Python (kvflow.arc), on
@@ -1335,7 +1508,7 @@ typedef struct {
     Py_ssize_t capacity;
     double p;
     ArcList l[3];           /* l[1]: T1, l[2]: T2 */
-    PyObject *b[3];         /* b[1], b[2]: OrderedDict key -> None */
+    Ghosts b[3];            /* b[1], b[2]: B1 and B2 */
     char *popped;           /* where the last pop_front's victims were, in order */
     Py_ssize_t npopped, popcap;
 } ARCObject;
@@ -1419,17 +1592,7 @@ ARC_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     o->tier = tier;
     o->capacity = capacity < 1 ? 1 : capacity;
     o->p = 0.0;
-    PyObject *od = PyImport_ImportModule("collections");
-    PyObject *odt = od ? PyObject_GetAttrString(od, "OrderedDict") : NULL;
-    Py_XDECREF(od);
-    if (odt == NULL) {
-        Py_DECREF(o);
-        return NULL;
-    }
-    o->b[1] = PyObject_CallNoArgs(odt);
-    o->b[2] = PyObject_CallNoArgs(odt);
-    Py_DECREF(odt);
-    if (o->b[1] == NULL || o->b[2] == NULL) {
+    if (ghosts_init(&o->b[1]) < 0 || ghosts_init(&o->b[2]) < 0) {
         Py_DECREF(o);
         return NULL;
     }
@@ -1442,7 +1605,8 @@ ARC_traverse(ARCObject *o, visitproc visit, void *arg)
     for (int w = 1; w <= 2; w++) {
         for (NodeObject *n = o->l[w].head; n; n = n->next[o->tier])
             Py_VISIT(n);
-        Py_VISIT(o->b[w]);
+        if (ghosts_traverse(&o->b[w], visit, arg))
+            return -1;
     }
     return 0;
 }
@@ -1457,7 +1621,7 @@ ARC_clear(ARCObject *o)
             n->rank[o->tier] = 0;
             Py_DECREF(n);
         }
-        Py_CLEAR(o->b[w]);
+        ghosts_clear(&o->b[w]);
     }
     return 0;
 }
@@ -1482,27 +1646,27 @@ arc_unref_one(ARCObject *o, NodeObject *n)
         arc_append(o, n, 2);
         return 0;
     }
-    PyObject *b1 = o->b[1], *b2 = o->b[2];
-    int in1 = PyDict_Contains(b1, n->key);
+    Ghosts *b1 = &o->b[1], *b2 = &o->b[2];
+    int in1 = PyDict_Contains(b1->map, n->key);
     if (in1 < 0)
         return -1;
     if (in1) {  /* a ghost hit: T1 was too small */
-        double l1 = (double)PyDict_GET_SIZE(b1), l2 = (double)PyDict_GET_SIZE(b2);
+        double l1 = (double)GHOSTS_LEN(b1), l2 = (double)GHOSTS_LEN(b2);
         double d = l2 / l1, np = o->p + (d > 1.0 ? d : 1.0);
         o->p = (double)o->capacity < np ? (double)o->capacity : np;
-        if (PyObject_DelItem(b1, n->key) < 0)
+        if (PyDict_DelItem(b1->map, n->key) < 0)
             return -1;
         arc_append(o, n, 2);
         return 0;
     }
-    int in2 = PyDict_Contains(b2, n->key);
+    int in2 = PyDict_Contains(b2->map, n->key);
     if (in2 < 0)
         return -1;
     if (in2) {  /* T2 was */
-        double l1 = (double)PyDict_GET_SIZE(b1), l2 = (double)PyDict_GET_SIZE(b2);
+        double l1 = (double)GHOSTS_LEN(b1), l2 = (double)GHOSTS_LEN(b2);
         double d = l1 / l2, np = o->p - (d > 1.0 ? d : 1.0);
         o->p = np > 0.0 ? np : 0.0;
-        if (PyObject_DelItem(b2, n->key) < 0)
+        if (PyDict_DelItem(b2->map, n->key) < 0)
             return -1;
         arc_append(o, n, 2);
         return 0;
@@ -1566,8 +1730,7 @@ ARC_ref(ARCObject *o, PyObject *arg)
 static int
 arc_trim_ghosts(ARCObject *o)
 {
-    PyObject *b1 = o->b[1], *b2 = o->b[2];
-    Py_ssize_t l1 = PyDict_GET_SIZE(b1), l2 = PyDict_GET_SIZE(b2);
+    Py_ssize_t l1 = GHOSTS_LEN(&o->b[1]), l2 = GHOSTS_LEN(&o->b[2]);
     Py_ssize_t over = l1 + l2 - o->capacity;
     if (over <= 0)
         return 0;
@@ -1581,12 +1744,9 @@ arc_trim_ghosts(ARCObject *o)
         from_b1 = over - l2;
     for (int w = 1; w <= 2; w++) {
         Py_ssize_t k = w == 1 ? from_b1 : over - from_b1;
-        for (Py_ssize_t i = 0; i < k; i++) {
-            PyObject *r = PyObject_CallMethodOneArg(o->b[w], s_popitem, Py_False);
-            if (r == NULL)
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (ghosts_pop_oldest(&o->b[w]) < 0)
                 return -1;
-            Py_DECREF(r);
-        }
     }
     return 0;
 }
@@ -1607,7 +1767,7 @@ ARC_remove(ARCObject *o, PyObject *arg)
         Py_RETURN_NONE;
     }
     n->rank[t] = 0;
-    if (PyObject_SetItem(o->b[w], n->key, Py_None) < 0 || arc_trim_ghosts(o) < 0)
+    if (ghosts_add(&o->b[w], n->key) < 0 || arc_trim_ghosts(o) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1667,7 +1827,7 @@ ARC_pop_front(ARCObject *o, PyObject *arg)
             arc_unlink(o, n);
             n->rank[o->tier] = 0;
             if (PyList_Append(out, (PyObject *)n) < 0 ||
-                PyObject_SetItem(o->b[w], n->key, Py_None) < 0) {
+                ghosts_add(&o->b[w], n->key) < 0) {
                 Py_DECREF(n);
                 Py_DECREF(out);
                 return NULL;
@@ -1705,12 +1865,10 @@ ARC_push_front(ARCObject *o, PyObject *arg)
             Py_DECREF(n);
         }
         arc_prepend(o, n, w);
-        PyObject *r = PyObject_CallMethod(o->b[w], "pop", "OO", n->key, Py_None);
-        if (r == NULL) {
+        if (ghosts_discard(&o->b[w], n->key) < 0) {
             Py_DECREF(seq);
             return NULL;
         }
-        Py_DECREF(r);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
@@ -1822,8 +1980,8 @@ ARC_get(ARCObject *o, void *which)
     case 0: return PyLong_FromLong(o->tier);
     case 1: return PyLong_FromSsize_t(o->capacity);
     case 2: return PyFloat_FromDouble(o->p);
-    case 3: return Py_NewRef(o->b[1]);
-    default: return Py_NewRef(o->b[2]);
+    case 3: return ghosts_snapshot(&o->b[1]);
+    default: return ghosts_snapshot(&o->b[2]);
     }
 }
 
@@ -1881,7 +2039,7 @@ static PyTypeObject ARCType = {
  * iterator in C: S3-FIFO has no O(1) front (eviction moves blocks between the
  * queues), so every eviction runs the scan, and the Python generator, one call
  * per block with its queue moves, cost ~4-8x LRU's time in cache mode. The ghost
- * FIFO of evicted keys stays an OrderedDict, as S3FIFO keeps it. A tracked node
+ * FIFO of evicted keys is a ``Ghosts`` (S3FIFO's OrderedDict's semantics). A tracked node
  * is linked; ``rank[t]`` holds its queue (1 small, 2 main) << 8 | its frequency. */
 
 #define S3_SMALL 1
@@ -1893,7 +2051,7 @@ typedef struct {
     int tier;
     Py_ssize_t capacity;
     ArcList q[3];           /* q[1]: small, q[2]: main */
-    PyObject *ghost;        /* OrderedDict key -> None */
+    Ghosts ghost;
 } S3Object;
 
 typedef struct {
@@ -1968,12 +2126,7 @@ S3_tp_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     o->tier = tier;
     o->capacity = capacity < 1 ? 1 : capacity;
-    PyObject *mod = PyImport_ImportModule("collections");
-    PyObject *odt = mod ? PyObject_GetAttrString(mod, "OrderedDict") : NULL;
-    Py_XDECREF(mod);
-    o->ghost = odt ? PyObject_CallNoArgs(odt) : NULL;
-    Py_XDECREF(odt);
-    if (o->ghost == NULL) {
+    if (ghosts_init(&o->ghost) < 0) {
         Py_DECREF(o);
         return NULL;
     }
@@ -1986,8 +2139,7 @@ S3_traverse(S3Object *o, visitproc visit, void *arg)
     for (int q = 1; q <= 2; q++)
         for (NodeObject *n = o->q[q].head; n; n = n->next[o->tier])
             Py_VISIT(n);
-    Py_VISIT(o->ghost);
-    return 0;
+    return ghosts_traverse(&o->ghost, visit, arg);
 }
 
 static int
@@ -1999,7 +2151,7 @@ S3_clear(S3Object *o)
             s3_unlink(o, n);
             Py_DECREF(n);
         }
-    Py_CLEAR(o->ghost);
+    ghosts_clear(&o->ghost);
     return 0;
 }
 
@@ -2021,12 +2173,10 @@ S3_insert(S3Object *o, PyObject *arg)
         n->rank[o->tier] = (long long)S3_Q(o, n) << 8;
         Py_RETURN_NONE;
     }
-    int in = PyDict_Contains(o->ghost, n->key);
+    int in = ghosts_discard(&o->ghost, n->key);
     if (in < 0)
         return NULL;
     if (in) {  /* evicted from small not long ago: straight to main */
-        if (PyObject_DelItem(o->ghost, n->key) < 0)
-            return NULL;
         s3_append(o, n, S3_MAIN, 0);
     }
     else {
@@ -2069,16 +2219,13 @@ S3_remove(S3Object *o, PyObject *arg)
     int q = S3_Q(o, n);
     s3_unlink(o, n);
     if (q == S3_SMALL) {
-        int r = PyObject_SetItem(o->ghost, n->key, Py_None);
+        int r = ghosts_add(&o->ghost, n->key);
         Py_DECREF(n);
         if (r < 0)
             return NULL;
-        while (PyDict_GET_SIZE(o->ghost) > o->capacity) {
-            PyObject *x = PyObject_CallMethodOneArg(o->ghost, s_popitem, Py_False);
-            if (x == NULL)
+        while (GHOSTS_LEN(&o->ghost) > o->capacity)
+            if (ghosts_pop_oldest(&o->ghost) < 0)
                 return NULL;
-            Py_DECREF(x);
-        }
     }
     else {
         Py_DECREF(n);
@@ -2202,7 +2349,7 @@ S3_get(S3Object *o, void *which)
     switch ((int)(intptr_t)which) {
     case 0: return PyLong_FromLong(o->tier);
     case 1: return PyLong_FromSsize_t(o->capacity);
-    default: return Py_NewRef(o->ghost);
+    default: return ghosts_snapshot(&o->ghost);
     }
 }
 

@@ -396,7 +396,7 @@ if _LINKED_S3FIFO is not None:
 
     class LinkedS3FIFO(_LINKED_S3FIFO):  # type: ignore[misc,valid-type]
         """``S3FIFO`` for the native core's nodes: its two queues linked through the
-        nodes, its scan an iterator in C, its ghost FIFO the same OrderedDict. The
+        nodes, its scan an iterator in C, its ghost FIFO kept in C as S3FIFO keeps it. The
         Python class costs ~4-8x LRU's time in cache mode: every eviction runs its
         scan, one generator step per block, and each victim's ``remove`` feeds the
         ghost FIFO in Python (``benchmarks/results/policies.md``); this one gives the
