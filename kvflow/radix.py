@@ -47,6 +47,7 @@ from kvflow.policy import (
     LinkedS3FIFO,
     make_eviction_policy,
 )
+from kvflow.ranked import LinkedCostAware
 
 __all__ = [
     "ABSENT", "COMPUTING", "CORES", "FILLING", "NATIVE_CORE", "READY", "STATE_NAMES", "TIERS",
@@ -65,14 +66,15 @@ TIERS = (Tier.DEVICE, Tier.HOST, Tier.STORAGE)
 CORES = ("auto", "native", "python")
 #: Policies the native core keeps in its own nodes (the same order as their Python
 #: classes, which the Python core uses; ``tests/test_index_core_equivalence.py``).
-#: Each is made from the tier and its capacity.
-NATIVE_ORDERS: dict[str, Callable[[int, int], EvictionPolicy]] = {
+#: Each is made from the tier, its capacity and the Python policy it stands for.
+NATIVE_ORDERS: dict[str, Callable[[int, int, Any], EvictionPolicy]] = {
     name: make for name, make in (
-        ("lru", LinkedLRU and (lambda t, cap: LinkedLRU(t))),
-        ("lfu", LinkedLFU and (lambda t, cap: LinkedLFU(t))),
-        ("length_aware", LinkedLengthAware and (lambda t, cap: LinkedLengthAware(t))),
-        ("arc", LinkedARC),
-        ("s3fifo", LinkedS3FIFO))
+        ("lru", LinkedLRU and (lambda t, cap, py: LinkedLRU(t))),
+        ("lfu", LinkedLFU and (lambda t, cap, py: LinkedLFU(t))),
+        ("length_aware", LinkedLengthAware and (lambda t, cap, py: LinkedLengthAware(t))),
+        ("arc", LinkedARC and (lambda t, cap, py: LinkedARC(t, cap))),
+        ("s3fifo", LinkedS3FIFO and (lambda t, cap, py: LinkedS3FIFO(t, cap))),
+        ("cost_aware", LinkedCostAware and (lambda t, cap, py: LinkedCostAware(t, cap, py))))
     if make is not None}
 
 
@@ -131,7 +133,8 @@ class PrefixIndex:
         ]
         linked = NATIVE_ORDERS.get(eviction.lower()) if native else None
         if linked is not None:  # the same order, linked through the nodes
-            self.policies = [linked(t, cap) for t, cap in zip(TIERS, capacities, strict=True)]
+            self.policies = [linked(t, cap, py) for t, cap, py
+                             in zip(TIERS, capacities, self.policies, strict=True)]
         for p in self.policies:  # policies that weigh the other tiers' copies meet them
             bind = getattr(p, "bind", None)
             if bind is not None:

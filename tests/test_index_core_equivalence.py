@@ -58,7 +58,7 @@ from kvflow.radix import (
     Tier,
     set_inflight,
 )
-from kvflow.ranked import LengthAware
+from kvflow.ranked import CostAware, LengthAware, LinkedCostAware
 
 pytestmark = pytest.mark.skipif(
     NATIVE_CORE is None,
@@ -68,7 +68,7 @@ pytestmark = pytest.mark.skipif(
 SIDES = ("python", "native")
 #: Policies compared: the native core links each through its nodes (``NATIVE_ORDERS``),
 #: the Python core runs their Python classes.
-EVICTIONS = ["lru", "lfu", "s3fifo", "length_aware", "arc"]
+EVICTIONS = ["lru", "lfu", "s3fifo", "length_aware", "arc", "cost_aware"]
 EXAMPLES = float(os.environ.get("KVFLOW_EQUIV_EXAMPLES", "1"))
 STEPS = float(os.environ.get("KVFLOW_EQUIV_STEPS", "1"))
 
@@ -117,6 +117,8 @@ def _policy_desc(policy, index):
         return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked)
     if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
         return (*_arc_desc(policy, nodes.values(), k), tracked)
+    if isinstance(policy, CostAware | LinkedCostAware):  # type: ignore[operator]
+        return (*_cost_desc(policy, k), tracked)
     assert isinstance(policy, S3FIFO | LinkedS3FIFO), policy  # type: ignore[operator]
     freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
     return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
@@ -133,6 +135,18 @@ def _arc_desc(policy, nodes, k):
     return ("arc", [k(n) for n in policy._t1], [k(n) for n in policy._t2], list(policy._b1),
             list(policy._b2), policy.p, policy.capacity, held,
             None if first is None else k(first))
+
+
+def _cost_desc(policy, k):
+    """Cost-aware's buckets (rank, then each node and its route tag, in order; empty
+    ones left out), clock and the lower tiers it weighs."""
+    if isinstance(policy, CostAware):
+        buckets = [(r, [(k(n), tag) for n, tag in policy._buckets[r].items()])
+                   for r in sorted(policy._buckets) if policy._buckets[r]]
+    else:
+        buckets = [(r, [(k(n), tag) for n, tag in b]) for r, b in policy.buckets()]
+    return ("cost_aware", buckets, policy.clock, policy.checks_tags, tuple(policy._lower),
+            policy._above is not None)
 
 
 def _inflight_desc(node, op_name):
@@ -550,6 +564,8 @@ class _Pair:
                     None if first is None else k(first))
         if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
             return (*_arc_desc(policy, self.handles[s], k), tracked)
+        if isinstance(policy, CostAware | LinkedCostAware):  # type: ignore[operator]
+            return (*_cost_desc(policy, k), tracked)
         if isinstance(policy, S3FIFO | LinkedS3FIFO):  # type: ignore[operator]
             return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
                     list(policy._ghost), sorted(((k(n), f) for n, f in policy._freq.items()),

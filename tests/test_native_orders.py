@@ -1,7 +1,8 @@
 """Native eviction orders against the Python classes they replace, call by call.
 
-The native core runs ``LinkedARC`` where the Python core runs ``ARC``, and
-``LinkedS3FIFO`` for ``S3FIFO`` (``kvflow.radix.NATIVE_ORDERS``). Here both get
+The native core runs ``LinkedARC`` where the Python core runs ``ARC``,
+``LinkedS3FIFO`` for ``S3FIFO`` and ``LinkedCostAware`` for ``CostAware``
+(``kvflow.radix.NATIVE_ORDERS``). Here both get
 one random sequence of the calls an index makes (a copy arrives, a reference
 comes and goes, a release of several, a copy dropped, victims popped in bulk
 and some handed back, a full scan with some candidates taken and some
@@ -19,7 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvflow.arc import ARC, LinkedARC
+from kvflow.cost import BlockCosts
 from kvflow.policy import NATIVE_CORE, S3FIFO, LinkedS3FIFO
+from kvflow.ranked import CostAware, LinkedCostAware
 
 pytestmark = pytest.mark.skipif(NATIVE_CORE is None, reason="kvflow._index_core not built")
 
@@ -266,3 +269,173 @@ def test_s3fifo_insert_of_a_queued_block_keeps_its_place():
         p.ref(n)
         p.insert(n)
         assert (list(p._small), list(p._main), p._freq) == ([], [n], {n: 0})
+
+
+tier_ = st.integers(0, 2)
+cost_ops = st.lists(st.one_of(
+    st.tuples(st.just("arrive"), tier_, node_i),
+    st.tuples(st.just("arrive_chain"), tier_, node_i),
+    st.tuples(st.just("poke"), st.integers(1, 2), node_i, st.sampled_from([0, 1, 2])),
+    st.tuples(st.just("drop"), tier_, node_i),
+    st.tuples(st.just("ref"), st.lists(node_i, max_size=5)),
+    st.tuples(st.just("release"), st.just(0)),
+    st.tuples(st.just("unref1"), node_i),
+    st.tuples(st.just("pop"), tier_, st.integers(0, 6), st.integers(0, 6)),
+    st.tuples(st.just("scan"), tier_, st.integers(0, 2**12 - 1), st.integers(0, 14)),
+    st.tuples(st.just("first"), tier_),
+    st.tuples(st.just("stale_pop"), st.integers(0, 1), node_i, st.integers(1, 6)),
+    st.tuples(st.just("hit"), node_i),
+), min_size=4, max_size=60)
+
+
+@pytest.mark.skipif(LinkedCostAware is None, reason="kvflow._index_core not built")
+@settings(max_examples=300, deadline=None)
+@given(st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(0, 6)),
+       st.lists(st.integers(-1, N - 1), min_size=N, max_size=N), cost_ops)
+def test_linked_cost_aware_matches_cost_aware(caps, parents, calls):
+    """``LinkedCostAware`` against ``CostAware`` on three tiers bound together: copies
+    arriving (a chain tail-first too: a parent ranks with the child placed before it),
+    lower copies coming and going (ranks above go stale, found so in ``first``,
+    ``pop_front`` and scans), references and releases, bulk pops handed back, scans
+    with declines (ranked again behind the bucket)."""
+    make = NATIVE_CORE.Node
+    nodes: list = []
+    for i, p in enumerate(parents):
+        nodes.append(make(i, nodes[p] if 0 <= p < i else None))
+    costs = BlockCosts(load_s=(0.0, 2.0, 5.0), recompute_s=9.0, recompute_per_depth_s=1.5)
+    py = [CostAware(caps[t], t, costs) for t in range(3)]
+    nat = [LinkedCostAware(t, caps[t], py[t]) for t in range(3)]
+    for p in py:
+        p.bind(py)
+    for p in nat:
+        p.bind(nat)
+    held: list[list] = [[], [], []]  # per tier: referenced nodes taken out of its order
+
+    def tracked(t, n):
+        return n in py[t]._where
+
+    def check():
+        for t in range(3):
+            a = [(r, [(n, tag) for n, tag in py[t]._buckets[r].items()])
+                 for r in sorted(py[t]._buckets) if py[t]._buckets[r]]
+            assert a == nat[t].buckets(), t
+            assert py[t].clock == nat[t].clock
+            assert py[t].tracked() == nat[t].tracked()
+
+    def arrive(t, n):
+        if tracked(t, n) or n in held[t] or n.ref:
+            return
+        n.state[t] = 1
+        py[t].insert(n)
+        nat[t].insert(n)
+
+    for call in calls:
+        kind = call[0]
+        if kind == "arrive":
+            arrive(call[1], nodes[call[2]])
+        elif kind == "arrive_chain":  # a node and its ancestors, tail-first
+            n = nodes[call[2]]
+            while n is not None:
+                arrive(call[1], n)
+                n = n.parent
+        elif kind == "poke":
+            t, n, s = call[1], nodes[call[2]], call[3]
+            if not tracked(t, n) and n not in held[t]:
+                n.state[t] = s
+        elif kind == "drop":
+            t, n = call[1], nodes[call[2]]
+            if tracked(t, n):
+                py[t].remove(n)
+                nat[t].remove(n)
+                n.state[t] = 0
+        elif kind == "ref":
+            for i in dict.fromkeys(call[1]):
+                n = nodes[i]
+                if n.ref == 0:
+                    for t in range(3):
+                        if tracked(t, n):
+                            py[t].ref(n)
+                            nat[t].ref(n)
+                            held[t].append(n)
+                n.ref += 1
+        elif kind == "release":  # every reference goes, each chain tail-first
+            for n in nodes:
+                n.ref = 0
+            for t in range(3):
+                rel: list = []
+                for n in sorted(held[t], key=lambda n: -n.depth):
+                    while n is not None and n in held[t] and n not in rel:
+                        rel.append(n)
+                        n = n.parent
+                py[t].unref_all(rel)
+                nat[t].unref_all(rel)
+                held[t] = []
+        elif kind == "unref1":
+            n = nodes[call[1]]
+            if n.ref == 1:
+                n.ref = 0
+                for t in range(3):
+                    if n in held[t]:
+                        held[t].remove(n)
+                        py[t].unref(n)
+                        nat[t].unref(n)
+        elif kind == "pop":
+            t, k, back = call[1:]
+            a, b = py[t].pop_front(k), nat[t].pop_front(k)
+            assert a == b
+            back = min(back, len(a))
+            py[t].push_front(a[len(a) - back:])
+            nat[t].push_front(a[len(a) - back:])
+            for n in a[:len(a) - back]:  # dropped by the core (no remove)
+                n.state[t] = 0
+        elif kind == "scan":
+            t, mask, steps = call[1:]
+            ga, gb = py[t].candidates(), nat[t].candidates()
+            for j in range(steps):
+                a, b = next(ga, None), next(gb, None)
+                assert a is b
+                if a is None:
+                    break
+                if mask >> j & 1:
+                    py[t].remove(a)
+                    nat[t].remove(a)
+                    a.state[t] = 0
+            del ga, gb  # the scans end where they stand (as a broken loop leaves them)
+        elif kind == "hit":  # a plan counts a hit while it holds the block
+            if nodes[call[1]].ref:
+                nodes[call[1]].hits += 1
+        elif kind == "stale_pop":  # the copy below goes: the rank above is stale
+            t, n, k = call[1:]
+            n = nodes[n]
+            if tracked(t + 1, n):
+                py[t + 1].remove(n)
+                nat[t + 1].remove(n)
+                n.state[t + 1] = 0
+            taken = py[t].pop_front(k)
+            assert taken == nat[t].pop_front(k)
+            for x in taken:  # dropped by the core
+                x.state[t] = 0
+        elif kind == "first":
+            t = call[1]
+            assert py[t].first() is nat[t].first()
+        check()
+
+
+@pytest.mark.skipif(LinkedCostAware is None, reason="kvflow._index_core not built")
+def test_linked_cost_aware_release_ranks_parents_with_their_child():
+    """A release (tail-first): a parent ranks no lower than the child before it, in
+    both classes (its own worth, a shallower recompute, is less)."""
+    costs = BlockCosts(load_s=(0.0, 2.0, 5.0), recompute_s=9.0, recompute_per_depth_s=1.5)
+    seen = []
+    for side in ("py", "nat"):
+        chain = [NATIVE_CORE.Node("a")]
+        for k in "bc":
+            chain.append(NATIVE_CORE.Node(k, chain[-1]))
+        other = NATIVE_CORE.Node("x")
+        p = CostAware(8, 0, costs)
+        if side == "nat":
+            p = LinkedCostAware(0, 8, p)
+        p.unref_all([*chain[::-1], other])
+        seen.append([[n.key for n in p] if side == "nat" else
+                     [n.key for r in sorted(p._buckets) for n in p._buckets[r]]])
+    assert seen[0] == seen[1] == [["x", "c", "b", "a"]]  # x: depth 0, alone; a, b with c
