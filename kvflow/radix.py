@@ -157,8 +157,9 @@ class PrefixIndex:
         #: holds ``count``, pass after pass of ``victims`` while one drops any; the
         #: native core's runs the passes in C (the policy's ``first``/``candidates``
         #: are all it calls back), the Python one is ``_take_victims``.
+        #: (A native core built before it falls back to the Python loop.)
         self.take_victims: Callable[[int, int, list[int]], None] = (
-            c.take_victims if native else self._take_victims)
+            getattr(c, "take_victims", None) or self._take_victims)
 
     # -- lookup -------------------------------------------------------------
     def get(self, key: Hashable) -> Node | None:
