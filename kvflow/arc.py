@@ -29,7 +29,7 @@ from collections.abc import Hashable, Iterator
 from itertools import islice
 from typing import Any
 
-__all__ = ["ARC"]
+__all__ = ["ARC", "LinkedARC"]
 
 
 class ARC:
@@ -199,3 +199,80 @@ class ARC:
 
     def tracked(self) -> set[Any]:
         return set(self._t1) | set(self._t2)
+
+
+def _native_arc() -> type | None:
+    """The extension's ``LinkedARC``, where the built one has it."""
+    import warnings
+
+    try:
+        from kvflow import _index_core
+    except ImportError:
+        return None
+    cls = getattr(_index_core, "LinkedARC", None)
+    if cls is None:
+        warnings.warn("kvflow._index_core predates kvflow/_index_core.c (no LinkedARC): "
+                      "rebuild it (pip install, or build_ext); arc runs in Python",
+                      RuntimeWarning, stacklevel=2)
+    return cls
+
+
+_LINKED_ARC = _native_arc()
+
+if _LINKED_ARC is not None:
+
+    class LinkedARC(_LINKED_ARC):  # type: ignore[misc,valid-type]
+        """``ARC`` for the native core's nodes: T1 and T2 linked through the nodes,
+        the ghost lists and ``p`` kept as ``ARC`` keeps them, in C. The Python class
+        costs ~3-5x LRU's time in cache mode, a dict operation or two per block and
+        ghost upkeep per victim (``benchmarks/results/policies.md``); this one gives
+        the same victims in the same order (``tests/test_index_core_equivalence.py``
+        runs both side by side)."""
+
+        def __new__(cls, tier: int, capacity: int = 0) -> LinkedARC:
+            return super().__new__(cls, tier, capacity)
+
+        def candidates(self) -> Iterator[Any]:
+            """As ``ARC.candidates``, on the native lists (1: T1, 2: T2)."""
+            offered: set[Any] = set()
+            switch = False
+            head, where, move = self.head, self.where, self.move_to_end
+            for _ in range(len(self)):
+                w = self.victim_list()
+                if not w:
+                    return
+                alt = 3 - w
+                if switch and head(alt) is not None:
+                    w, alt = alt, w
+                node = head(w)
+                if node in offered:
+                    node = head(alt)
+                    if node is None or node in offered:
+                        break
+                    w = alt
+                offered.add(node)
+                yield node
+                if where(node) == w:
+                    move(node)
+                    switch = not switch
+                else:
+                    switch = False
+            for node in [*self.list(1), *self.list(2)]:
+                if node not in offered:
+                    offered.add(node)
+                    yield node
+
+        @property
+        def _t1(self) -> list[Any]:
+            return self.list(1)
+
+        @property
+        def _t2(self) -> list[Any]:
+            return self.list(2)
+
+        def __iter__(self) -> Iterator[Any]:
+            """T1 then T2, each LRU end first."""
+            return iter([*self.list(1), *self.list(2)])
+
+else:  # a source tree without the extension (or an old build): ARC serves
+    LinkedARC = None  # type: ignore[assignment,misc]

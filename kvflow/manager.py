@@ -475,6 +475,9 @@ class CacheManager:
         FILLING placeholder keeps each copied node indexed.
         """
         index = self.index
+        if budget <= len(copies):  # no copy down: every victim is a droppable one
+            index.take_victims(tier, count, freed_ids)
+            return
         lower = self._lower[tier]
         while len(freed_ids) < count:
             progress = False

@@ -321,6 +321,9 @@ class S3FIFO:
         self._freq: dict[Any, int] = {}
 
     def insert(self, node: Any) -> None:
+        if node in self._freq:  # queued already (a ready copy marked ready again):
+            self._freq[node] = 0  # it keeps its place (it went in both queues before)
+            return
         self._freq[node] = 0
         if node.key in self._ghost:
             del self._ghost[node.key]
@@ -385,6 +388,38 @@ class S3FIFO:
             if node not in offered:
                 offered.add(node)
                 yield node
+
+
+_LINKED_S3FIFO = getattr(NATIVE_CORE, "LinkedS3FIFO", None)
+
+if _LINKED_S3FIFO is not None:
+
+    class LinkedS3FIFO(_LINKED_S3FIFO):  # type: ignore[misc,valid-type]
+        """``S3FIFO`` for the native core's nodes: its two queues linked through the
+        nodes, its scan an iterator in C, its ghost FIFO kept in C as S3FIFO keeps it. The
+        Python class costs ~4-8x LRU's time in cache mode: every eviction runs its
+        scan, one generator step per block, and each victim's ``remove`` feeds the
+        ghost FIFO in Python (``benchmarks/results/policies.md``); this one gives the
+        same victims in the same order (``tests/test_native_orders.py``,
+        ``tests/test_index_core_equivalence.py``)."""
+
+        def __new__(cls, tier: int, capacity: int = 0) -> LinkedS3FIFO:
+            return super().__new__(cls, tier, capacity)
+
+        @property
+        def _small(self) -> list[Any]:
+            return self.queue(1)
+
+        @property
+        def _main(self) -> list[Any]:
+            return self.queue(2)
+
+        @property
+        def _freq(self) -> dict[Any, int]:
+            return {n: self.freq(n) for q in (1, 2) for n in self.queue(q)}
+
+else:
+    LinkedS3FIFO = None  # type: ignore[assignment,misc]
 
 
 #: Eviction policies by name: the online ones, then the offline optimum. Constructors

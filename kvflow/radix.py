@@ -23,6 +23,7 @@ from enum import IntEnum
 from typing import Any
 
 from kvflow import index_core
+from kvflow.arc import LinkedARC
 from kvflow.belady import FutureUses
 from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError
@@ -43,8 +44,10 @@ from kvflow.policy import (
     LinkedLengthAware,
     LinkedLFU,
     LinkedLRU,
+    LinkedS3FIFO,
     make_eviction_policy,
 )
+from kvflow.ranked import LinkedCostAware
 
 __all__ = [
     "ABSENT", "COMPUTING", "CORES", "FILLING", "NATIVE_CORE", "READY", "STATE_NAMES", "TIERS",
@@ -63,10 +66,16 @@ TIERS = (Tier.DEVICE, Tier.HOST, Tier.STORAGE)
 CORES = ("auto", "native", "python")
 #: Policies the native core keeps in its own nodes (the same order as their Python
 #: classes, which the Python core uses; ``tests/test_index_core_equivalence.py``).
-NATIVE_ORDERS: dict[str, Callable[[int], EvictionPolicy]] = {
-    name: cls for name, cls in (("lru", LinkedLRU), ("lfu", LinkedLFU),
-                                ("length_aware", LinkedLengthAware))
-    if cls is not None}
+#: Each is made from the tier, its capacity and the Python policy it stands for.
+NATIVE_ORDERS: dict[str, Callable[[int, int, Any], EvictionPolicy]] = {
+    name: make for name, make in (
+        ("lru", LinkedLRU and (lambda t, cap, py: LinkedLRU(t))),
+        ("lfu", LinkedLFU and (lambda t, cap, py: LinkedLFU(t))),
+        ("length_aware", LinkedLengthAware and (lambda t, cap, py: LinkedLengthAware(t))),
+        ("arc", LinkedARC and (lambda t, cap, py: LinkedARC(t, cap))),
+        ("s3fifo", LinkedS3FIFO and (lambda t, cap, py: LinkedS3FIFO(t, cap))),
+        ("cost_aware", LinkedCostAware and (lambda t, cap, py: LinkedCostAware(t, cap, py))))
+    if make is not None}
 
 
 def has_other_copy(node: Node, tier: int) -> bool:
@@ -124,7 +133,8 @@ class PrefixIndex:
         ]
         linked = NATIVE_ORDERS.get(eviction.lower()) if native else None
         if linked is not None:  # the same order, linked through the nodes
-            self.policies = [linked(t) for t in TIERS]
+            self.policies = [linked(t, cap, py) for t, cap, py
+                             in zip(TIERS, capacities, self.policies, strict=True)]
         for p in self.policies:  # policies that weigh the other tiers' copies meet them
             bind = getattr(p, "bind", None)
             if bind is not None:
@@ -143,6 +153,13 @@ class PrefixIndex:
         self.mark_computed: Callable[[Sequence[Node]], None] = c.mark_computed
         self.release: Callable[[Sequence[Node]], list[Node]] = c.release
         self.drop_front: Callable[[int, int], list[int]] = c.drop_front
+        #: ``take_victims(tier, count, ids)``: drop victims (no copy down) until ``ids``
+        #: holds ``count``, pass after pass of ``victims`` while one drops any; the
+        #: native core's runs the passes in C (the policy's ``first``/``candidates``
+        #: are all it calls back), the Python one is ``_take_victims``.
+        #: (A native core built before it falls back to the Python loop.)
+        self.take_victims: Callable[[int, int, list[int]], None] = (
+            getattr(c, "take_victims", None) or self._take_victims)
 
     # -- lookup -------------------------------------------------------------
     def get(self, key: Hashable) -> Node | None:
@@ -264,6 +281,19 @@ class PrefixIndex:
         if node.ref or node.state[tier] != READY:
             return False
         return node.children == 0 or copy_down or has_other_copy(node, tier)
+
+    def _take_victims(self, tier: int, count: int, ids: list[int]) -> None:
+        """``take_victims`` in Python (the native core's is held to it)."""
+        drop_copy = self.drop_copy
+        while len(ids) < count:
+            progress = False
+            for node in self.victims(tier):
+                ids.append(drop_copy(node, tier))
+                progress = True
+                if len(ids) >= count:
+                    break
+            if not progress:
+                break
 
     def victims(self, tier: int, copy_down: bool = False) -> Iterator[Node]:
         """Nodes whose ``tier`` copy may go, in the policy's order.

@@ -442,3 +442,49 @@ class CostAware(BucketedPolicy):
 
     def _restored(self, node: Any, rank: int) -> None:
         self._where[node] = rank
+
+
+def _native_cost() -> type | None:
+    """The extension's ``LinkedCost``, where the built one has it."""
+    try:
+        from kvflow import _index_core
+    except ImportError:
+        return None
+    return getattr(_index_core, "LinkedCost", None)
+
+
+_LINKED_COST = _native_cost()
+
+if _LINKED_COST is not None:
+
+    class LinkedCostAware(_LINKED_COST):  # type: ignore[misc,valid-type]
+        """``CostAware`` for the native core's nodes: its buckets linked through the
+        nodes, every rank computed in C by the same expressions, the same victims in
+        the same order (``tests/test_native_orders.py``,
+        ``tests/test_index_core_equivalence.py``). The Python class costs ~4x LRU's
+        time in cache mode, a rank per released block and a route check per victim
+        in the interpreter (``benchmarks/results/policies.md``). Made from a
+        ``CostAware`` (``like``): its constants come from the cost model there."""
+
+        def __new__(cls, tier: int, capacity: int = 0,
+                    like: CostAware | None = None) -> LinkedCostAware:
+            p = like if like is not None else CostAware(capacity, tier)
+            return super().__new__(cls, tier, capacity, p._load_worth[1], p._load_worth[2],
+                                   p._re0, p._re1, p._lower)
+
+        def bind(self, policies: Sequence[Any]) -> None:
+            """As ``CostAware.bind``."""
+            lower = tuple(t for t in range(self.tier + 1, 3)
+                          if getattr(policies[t], "capacity", 1) > 0)
+            self._configure(lower, bool(lower))
+            if self.tier < 2:
+                below = policies[self.tier + 1]
+                if isinstance(below, LinkedCostAware):
+                    below._set_above(self)
+
+        def __iter__(self) -> Iterator[Any]:
+            """The order, front (next victim) first."""
+            return iter([n for _, b in self.buckets() for n, _ in b])
+
+else:
+    LinkedCostAware = None  # type: ignore[assignment,misc]

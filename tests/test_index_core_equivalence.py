@@ -34,6 +34,7 @@ from hypothesis.stateful import (
 )
 from test_manager_stateful import prompts  # the same prompt shapes as the stateful test
 
+from kvflow.arc import ARC, LinkedARC
 from kvflow.index_core import NO_INFLIGHT
 from kvflow.manager import CacheManager, Capacities
 from kvflow.policy import (
@@ -43,6 +44,7 @@ from kvflow.policy import (
     LinkedLengthAware,
     LinkedLFU,
     LinkedLRU,
+    LinkedS3FIFO,
     PrefetchPolicy,
     WritePolicy,
 )
@@ -56,7 +58,7 @@ from kvflow.radix import (
     Tier,
     set_inflight,
 )
-from kvflow.ranked import LengthAware
+from kvflow.ranked import CostAware, LengthAware, LinkedCostAware
 
 pytestmark = pytest.mark.skipif(
     NATIVE_CORE is None,
@@ -64,6 +66,9 @@ pytestmark = pytest.mark.skipif(
            "pip install): nothing to compare the Python core with")
 
 SIDES = ("python", "native")
+#: Policies compared: the native core links each through its nodes (``NATIVE_ORDERS``),
+#: the Python core runs their Python classes.
+EVICTIONS = ["lru", "lfu", "s3fifo", "length_aware", "arc", "cost_aware"]
 EXAMPLES = float(os.environ.get("KVFLOW_EQUIV_EXAMPLES", "1"))
 STEPS = float(os.environ.get("KVFLOW_EQUIV_STEPS", "1"))
 
@@ -110,10 +115,38 @@ def _policy_desc(policy, index):
                 None if first is None else k(first))
     if isinstance(policy, LFU) or (LinkedLFU is not None and isinstance(policy, LinkedLFU)):
         return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked)
-    assert isinstance(policy, S3FIFO), policy
+    if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
+        return (*_arc_desc(policy, nodes.values(), k), tracked)
+    if isinstance(policy, CostAware | LinkedCostAware):  # type: ignore[operator]
+        return (*_cost_desc(policy, k), tracked)
+    assert isinstance(policy, S3FIFO | LinkedS3FIFO), policy  # type: ignore[operator]
     freq = sorted(((k(n), f) for n, f in policy._freq.items()), key=repr)
     return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
             list(policy._ghost), freq, policy.capacity, tracked)
+
+
+def _arc_desc(policy, nodes, k):
+    """ARC's lists, ghosts, target and the lists its referenced nodes were in."""
+    if isinstance(policy, ARC):
+        held = sorted(((k(n), w) for n, w in policy._held.items()), key=repr)
+    else:
+        held = sorted(((k(n), policy.held(n)) for n in nodes if policy.held(n)), key=repr)
+    first = policy.first()
+    return ("arc", [k(n) for n in policy._t1], [k(n) for n in policy._t2], list(policy._b1),
+            list(policy._b2), policy.p, policy.capacity, held,
+            None if first is None else k(first))
+
+
+def _cost_desc(policy, k):
+    """Cost-aware's buckets (rank, then each node and its route tag, in order; empty
+    ones left out), clock and the lower tiers it weighs."""
+    if isinstance(policy, CostAware):
+        buckets = [(r, [(k(n), tag) for n, tag in policy._buckets[r].items()])
+                   for r in sorted(policy._buckets) if policy._buckets[r]]
+    else:
+        buckets = [(r, [(k(n), tag) for n, tag in b]) for r, b in policy.buckets()]
+    return ("cost_aware", buckets, policy.clock, policy.checks_tags, tuple(policy._lower),
+            policy._above is not None)
 
 
 def _inflight_desc(node, op_name):
@@ -175,7 +208,7 @@ class Lockstep(RuleBasedStateMachine):
     @initialize(
         dev=st.integers(2, 5) | st.integers(2, 10), host=st.integers(1, 3) | st.integers(0, 10),
         storage=st.integers(0, 12),
-        eviction=st.sampled_from(["lru", "lfu", "s3fifo", "length_aware"]),
+        eviction=st.sampled_from(EVICTIONS),
         write=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
         threshold=st.integers(0, 3),
         prefetch=st.sampled_from(["best_effort", "wait_complete", "timeout"]),
@@ -458,6 +491,7 @@ core_calls = st.one_of(
     st.tuples(st.just("mark_ready"), HANDLE, TIER),
     st.tuples(st.just("set_inflight"), HANDLE, TIER, st.sampled_from([None, *OPS])),
     st.tuples(st.just("victims"), TIER, st.booleans(), st.integers(0, 255)),
+    st.tuples(st.just("take_victims"), TIER, st.integers(-1, 7), st.integers(0, 2)),
     st.tuples(st.just("poke"), HANDLE, TIER, st.sampled_from([ABSENT, READY, FILLING, COMPUTING])),
 )
 
@@ -528,7 +562,11 @@ class _Pair:
             first = policy.first()
             return ("lfu", [(k(n), n.hits) for n in _lfu_order(policy)], tracked,
                     None if first is None else k(first))
-        if isinstance(policy, S3FIFO):
+        if isinstance(policy, ARC | LinkedARC):  # type: ignore[operator]
+            return (*_arc_desc(policy, self.handles[s], k), tracked)
+        if isinstance(policy, CostAware | LinkedCostAware):  # type: ignore[operator]
+            return (*_cost_desc(policy, k), tracked)
+        if isinstance(policy, S3FIFO | LinkedS3FIFO):  # type: ignore[operator]
             return ("s3fifo", [k(n) for n in policy._small], [k(n) for n in policy._main],
                     list(policy._ghost), sorted(((k(n), f) for n, f in policy._freq.items()),
                                                 key=repr), tracked)
@@ -616,6 +654,10 @@ def _run_core_call(pair, call):
         nodes_result(both(lambda s: idx[s].release(sel[s]), lambda ns: [n.key for n in ns]))
     elif kind == "drop_front":
         both(lambda s: idx[s].drop_front(a[0], a[1]))
+    elif kind == "take_victims":
+        tier, count, have = a
+        both(lambda s: (lambda ids: (idx[s].take_victims(tier, count, ids), ids)[1])(
+            list(range(-have, 0))))
     elif kind == "victims":
         tier, copy_down, mask = a
         def take(s):
@@ -654,7 +696,7 @@ def _run_core_call(pair, call):
 @settings(max_examples=_n(250, EXAMPLES), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(caps=st.tuples(st.integers(1, 8), st.integers(0, 8), st.integers(0, 8)),
-       eviction=st.sampled_from(["lru", "lfu", "s3fifo", "length_aware"]),
+       eviction=st.sampled_from(EVICTIONS),
        calls=st.lists(core_calls, min_size=_n(10, STEPS), max_size=_n(60, STEPS)))
 def test_core_calls_match(caps, eviction, calls):
     pair = _Pair(list(caps), eviction)
@@ -665,7 +707,7 @@ def test_core_calls_match(caps, eviction, calls):
 
 # ------------------------------------------------------- regressions (divergences found)
 
-@pytest.mark.parametrize("eviction", ["lru", "lfu", "s3fifo", "length_aware"])
+@pytest.mark.parametrize("eviction", EVICTIONS)
 def test_drop_front_of_a_count_below_one_drops_nothing(eviction):
     """The Python core raised islice's ValueError for a negative count under LRU (and
     under LFU only with something ordered), the native one returned []: both drop

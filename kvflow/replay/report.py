@@ -61,7 +61,7 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         report["load"]["overloaded"] |= bool(pd["utilization_predicted"]["overloaded"])
     if cfg.headroom:
         caps = [setup.capacities[t] for t in (0, 1, 2)]
-        report["headroom"] = headroom_section([r.keys for r in setup.requests], caps,
+        report["headroom"] = headroom_section((r.keys for r in setup.requests), caps,
                                               cfg.eviction, cfg.instances)
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
