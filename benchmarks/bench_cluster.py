@@ -51,9 +51,9 @@ MOONCAKE_FIG10 = {"conversation": (0.169, 0.375), "tool_agent": (0.420, 0.581),
 
 
 def _run(cfg: ReplayConfig) -> dict[str, Any]:
-    t = time.process_time()
+    t, w = time.process_time(), time.perf_counter()
     r = run_replay(cfg)
-    r["cpu_s"] = time.process_time() - t
+    r["cpu_s"], r["run_wall_s"] = time.process_time() - t, time.perf_counter() - w
     return r
 
 
@@ -64,7 +64,8 @@ def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
             "hit_device": r["hit_rate"]["device"], "hit_host": r["hit_rate"]["host"],
             "hit_storage": r["hit_rate"]["storage"], "hit_total": r["hit_rate"]["total"],
             "slo_attainment": slo.get("attainment"), "cpu_s": r["cpu_s"],
-            "overloaded": r["load"]["overloaded"]}
+            "wall_s": r.get("run_wall_s"), "overloaded": r["load"]["overloaded"],
+            "utilisation": r["load"].get("utilisation"), "pool": r.get("pool")}
 
 
 def tool_agent_trace(out_dir: Path) -> Path:
@@ -76,16 +77,21 @@ def tool_agent_trace(out_dir: Path) -> Path:
     return path
 
 
-def table(workers: int, slo: tuple[float, float], pool_gb: float) -> list[dict[str, Any]]:
+def table(workers: int, slo: tuple[float, float], pool_gb: float,
+          policies: tuple[str, ...] = ("best_effort",),
+          limit: int | None = None) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="kvflow_cluster_"))
     traces = {"conversation": CONV, "tool_agent": tool_agent_trace(tmp), "synthetic": SYNTH}
     jobs = []
-    for tname, path in traces.items():
-        for router in ROUTERS:
-            for pool in (None, pool_gb):
-                cfg = ReplayConfig(trace=str(path), instances=16, router=router,
-                                   slo_ttft_s=slo[0], slo_tpot_s=slo[1], pool_gb=pool)
-                jobs.append((f"{tname} {router} {'pool' if pool else 'local'}", cfg))
+    for policy in policies:
+        for tname, path in traces.items():
+            for router in ROUTERS:
+                for pool in (None, pool_gb):
+                    cfg = ReplayConfig(trace=str(path), instances=16, router=router,
+                                       slo_ttft_s=slo[0], slo_tpot_s=slo[1], pool_gb=pool,
+                                       prefetch_policy=policy, limit=limit)
+                    jobs.append((f"{tname} {router} {'pool' if pool else 'local'} {policy}",
+                                 cfg))
     with ProcessPoolExecutor(workers) as ex:
         results = list(ex.map(_run, [c for _, c in jobs]))
     return [_row(name, r) for (name, _), r in zip(jobs, results, strict=True)]
@@ -167,6 +173,9 @@ def main() -> int:
     ap.add_argument("--pool-gb", type=float, default=16 * 2048.0,
                     help="global pool size (default: the 16 instances' 2 TB each)")
     ap.add_argument("--slo", type=float, nargs=2, default=(2.0, 0.1), metavar=("TTFT", "TPOT"))
+    ap.add_argument("--policies", nargs="+", default=["best_effort"],
+                    help="prefetch policies of the table (each: every trace x router x pool)")
+    ap.add_argument("--limit", type=int, help="table: only the first N requests of each trace")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     everything = not (a.table or a.speed or a.mooncake)
@@ -176,14 +185,15 @@ def main() -> int:
         out["speed"] = speed(a.repeat, a.pool_gb)
         print(json.dumps(out["speed"], indent=1), flush=True)
     if a.table or everything:
-        out["table"] = table(a.workers, tuple(a.slo), a.pool_gb)
-        print("| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded |")
-        print("|---|---:|---:|---|---:|---|")
+        out["table"] = table(a.workers, tuple(a.slo), a.pool_gb, tuple(a.policies), a.limit)
+        print("| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded | "
+              "CPU / wall |")
+        print("|---|---:|---:|---|---:|---|---:|")
         for r in out["table"]:
-            print(f"| {r['setting']} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s | "
+            print(f"| {r['setting']} | {r['ttft_mean_s']:.3f} s | {r['ttft_p90_s']:.3f} s | "
                   f"{r['hit_device']:.1%} / {r['hit_host']:.1%} / {r['hit_storage']:.1%} / "
-                  f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} |",
-                  flush=True)
+                  f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} | "
+                  f"{r['cpu_s']:.1f} / {r['wall_s']:.1f} s |", flush=True)
     if a.mooncake or everything:
         out["mooncake"] = mooncake(a.workers)
         print(json.dumps(out["mooncake"], indent=1), flush=True)
