@@ -106,6 +106,10 @@ def gemm_shape(curve: Sequence[tuple[float, float]]) -> Callable[[float], float]
     return shape
 
 
+#: Steps of a decode run summed one by one before the rest go vectorised (``decode_run``).
+_DECODE_HEAD = 32
+
+
 class CostModel:
     """Per-layer and per-step time of a batch on one GPU (a roofline).
 
@@ -223,8 +227,12 @@ class CostModel:
         running total is a sequential ``cumsum`` (``np.add.accumulate``, not a pairwise
         sum) carried from chunk to chunk.
         """
-        if batch <= 0 or max_steps <= 0:
-            return self._decode_run_steps(batch, context_sum, max_steps, budget)
+        # Most runs are short (a single instance's average ~16 steps): numpy's per-call
+        # cost beats the Python loop only past a few dozen steps, so those go first.
+        head = max_steps if batch <= 0 else min(max_steps, _DECODE_HEAD)
+        ran, total = self._decode_run_steps(batch, context_sum, head, budget)
+        if ran == max_steps or (budget is not None and total >= budget):
+            return ran, total
         tokens = batch
         if self.gemm_shape is None:
             weights = self._sec_per_token * tokens
@@ -233,7 +241,7 @@ class CostModel:
             if shape is None:
                 shape = self._shape_cache[tokens] = self.gemm_shape(tokens)
             weights = self._sec_per_token * tokens / shape
-        ran, total, chunk = 0, 0.0, 64
+        chunk = 64
         while ran < max_steps:
             k = min(chunk, max_steps - ran)
             ctx = (np.arange(k, dtype=np.float64) * batch + (context_sum + ran * batch))
