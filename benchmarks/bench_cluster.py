@@ -127,7 +127,8 @@ NODE_TOKENS = 3_000_000
 NODE_NIC_GB_PER_S = 100.0
 
 
-def mooncake(workers: int, limit: int | None = None) -> dict[str, Any]:
+def mooncake(workers: int, limit: int | None = None, pd: str | None = None
+             ) -> dict[str, Any]:
     """Fig. 5 and Fig. 10's settings, approximated (results/cluster.md says what differs).
 
     Every instance is one node: llama-3-70b on 8 A800s (``--tp 8``), its device blocks
@@ -143,8 +144,9 @@ def mooncake(workers: int, limit: int | None = None) -> dict[str, Any]:
     node_blocks = NODE_TOKENS // bt
     host = max(0, node_blocks - dev)
 
-    def cfg(trace: Path, n: int, router: str, pool: bool) -> ReplayConfig:
-        kw = dict(model, host_blocks=host)
+    def cfg(trace: Path, n: int, router: str, pool: bool, pd: str | None = None
+            ) -> ReplayConfig:
+        kw = dict(model, host_blocks=host, pd=pd)
         if pool:
             kw.update(storage_blocks=None, pool_blocks=n * node_blocks,
                       nic_gb_per_s=NODE_NIC_GB_PER_S)
@@ -164,6 +166,9 @@ def mooncake(workers: int, limit: int | None = None) -> dict[str, Any]:
     for name, path in traces.items():
         fig10[f"{name} local"] = cfg(path, 10, "prefix", False)
         fig10[f"{name} global"] = cfg(path, 10, "prefix", True)
+    if pd is not None:  # Fig. 5 again with P prefill and D decode nodes (Mooncake's shape)
+        fig5 = {f"{k} pd {pd}": dataclasses.replace(c, pd=pd) for k, c in fig5.items()}
+        fig10 = {}
     jobs = list(fig5.items()) + list(fig10.items())
     with ProcessPoolExecutor(workers) as ex:
         results = list(ex.map(_run, [c for _, c in jobs]))
@@ -171,10 +176,12 @@ def mooncake(workers: int, limit: int | None = None) -> dict[str, Any]:
     paper5 = {"random": 19.65, "least_loaded": 5.27, "prefix": 3.58, "ttft": 3.58,
               "prefix+pool": 3.07, "ttft+pool": 3.07}
     return {"setting": {"device_blocks": dev, "host_blocks": host, "node_blocks": node_blocks},
-            "fig5": {k: dict(out[k], paper_ttft_mean_s=paper5[k]) for k in fig5},
+            "fig5": {k: dict(out[k], paper_ttft_mean_s=paper5[k.split(" pd ")[0]])
+                     for k in fig5},
             "fig10": {k: {"local": out[f"{k} local"], "global": out[f"{k} global"],
                           "paper_hit_local": MOONCAKE_FIG10[k][0],
-                          "paper_hit_global": MOONCAKE_FIG10[k][1]} for k in traces}}
+                          "paper_hit_global": MOONCAKE_FIG10[k][1]} for k in traces
+                     if fig10}}
 
 
 def _device_blocks(cfg: ReplayConfig) -> int:
@@ -196,7 +203,9 @@ def main() -> int:
     ap.add_argument("--slo", type=float, nargs=2, default=(2.0, 0.1), metavar=("TTFT", "TPOT"))
     ap.add_argument("--policies", nargs="+", default=["best_effort"],
                     help="prefetch policies of the table (each: every trace x router x pool)")
-    ap.add_argument("--limit", type=int, help="table: only the first N requests of each trace")
+    ap.add_argument("--limit", type=int, help="only the first N requests of each trace")
+    ap.add_argument("--mooncake-pd", metavar="P:D",
+                    help="--mooncake: Fig. 5 only, with P prefill and D decode nodes")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     everything = not (a.table or a.speed or a.mooncake)
@@ -216,7 +225,7 @@ def main() -> int:
                   f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} | "
                   f"{r['cpu_s']:.1f} / {r['wall_s']:.1f} s |", flush=True)
     if a.mooncake or everything:
-        out["mooncake"] = mooncake(a.workers, a.limit)
+        out["mooncake"] = mooncake(a.workers, a.limit, a.mooncake_pd)
         print(json.dumps(out["mooncake"], indent=1), flush=True)
     out["wall_s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     if a.json:
