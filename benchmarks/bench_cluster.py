@@ -45,15 +45,14 @@ ROUTERS = ("random", "round_robin", "least_loaded", "prefix", "ttft")
 
 # Mooncake FAST'25 (FAST25-release/Mooncake-FAST25.pdf in kvcache-ai/Mooncake): Fig. 5
 # mean TTFT printed on the figure; Fig. 10 hit rates read off the bars (+-0.1 point).
-MOONCAKE_FIG5 = {"random": 19.65, "least_loaded": 5.27, "prefix": 3.58, "prefix+pool": 3.07}
 MOONCAKE_FIG10 = {"conversation": (0.169, 0.375), "tool_agent": (0.420, 0.581),
                   "synthetic": (0.264, 0.622)}
 
 
 def _run(cfg: ReplayConfig) -> dict[str, Any]:
-    t = time.process_time()
+    t, w = time.process_time(), time.perf_counter()
     r = run_replay(cfg)
-    r["cpu_s"] = time.process_time() - t
+    r["cpu_s"], r["run_wall_s"] = time.process_time() - t, time.perf_counter() - w
     return r
 
 
@@ -64,7 +63,9 @@ def _row(name: str, r: dict[str, Any]) -> dict[str, Any]:
             "hit_device": r["hit_rate"]["device"], "hit_host": r["hit_rate"]["host"],
             "hit_storage": r["hit_rate"]["storage"], "hit_total": r["hit_rate"]["total"],
             "slo_attainment": slo.get("attainment"), "cpu_s": r["cpu_s"],
-            "overloaded": r["load"]["overloaded"]}
+            "wall_s": r.get("run_wall_s"), "overloaded": r["load"]["overloaded"],
+            "utilisation": r["load"].get("utilization_predicted"),
+            "busy_share": r["load"].get("compute_busy_share"), "pool": r.get("pool")}
 
 
 def tool_agent_trace(out_dir: Path) -> Path:
@@ -76,16 +77,21 @@ def tool_agent_trace(out_dir: Path) -> Path:
     return path
 
 
-def table(workers: int, slo: tuple[float, float], pool_gb: float) -> list[dict[str, Any]]:
+def table(workers: int, slo: tuple[float, float], pool_gb: float,
+          policies: tuple[str, ...] = ("best_effort",),
+          limit: int | None = None) -> list[dict[str, Any]]:
     tmp = Path(tempfile.mkdtemp(prefix="kvflow_cluster_"))
     traces = {"conversation": CONV, "tool_agent": tool_agent_trace(tmp), "synthetic": SYNTH}
     jobs = []
-    for tname, path in traces.items():
-        for router in ROUTERS:
-            for pool in (None, pool_gb):
-                cfg = ReplayConfig(trace=str(path), instances=16, router=router,
-                                   slo_ttft_s=slo[0], slo_tpot_s=slo[1], pool_gb=pool)
-                jobs.append((f"{tname} {router} {'pool' if pool else 'local'}", cfg))
+    for policy in policies:
+        for tname, path in traces.items():
+            for router in ROUTERS:
+                for pool in (None, pool_gb):
+                    cfg = ReplayConfig(trace=str(path), instances=16, router=router,
+                                       slo_ttft_s=slo[0], slo_tpot_s=slo[1], pool_gb=pool,
+                                       prefetch_policy=policy, limit=limit)
+                    jobs.append((f"{tname} {router} {'pool' if pool else 'local'} {policy}",
+                                 cfg))
     with ProcessPoolExecutor(workers) as ex:
         results = list(ex.map(_run, [c for _, c in jobs]))
     return [_row(name, r) for (name, _), r in zip(jobs, results, strict=True)]
@@ -114,40 +120,68 @@ def _one_token_trace(src: Path, dst: Path) -> Path:
     return dst
 
 
-def mooncake(workers: int) -> dict[str, Any]:
-    """Fig. 5 and Fig. 10's settings, approximated (see RESULTS for what differs)."""
-    base = dict(trace=str(CONV), model="llama-3-70b", profile="a100", tp=8, instances=16)
-    fig5 = {"random": ReplayConfig(router="random", **base),
-            "least_loaded": ReplayConfig(router="least_loaded", **base),
-            "prefix": ReplayConfig(router="prefix", **base),
-            "prefix+pool": ReplayConfig(router="prefix", pool_gb=16 * 1024.0, **base)}
+A800 = str(ROOT / "sim" / "profiles" / "a800.toml")
+#: Mooncake's node: 8 GPUs (one instance, tensor parallel), ~1 TB of DRAM for KV = 3M tokens
+#: of LLaMA3-70B (320 KB/token), 4 x 200 Gb/s RDMA NICs (100 GB/s) to the other nodes.
+NODE_TOKENS = 3_000_000
+NODE_NIC_GB_PER_S = 100.0
+
+
+def mooncake(workers: int, limit: int | None = None, pd: str | None = None
+             ) -> dict[str, Any]:
+    """Fig. 5 and Fig. 10's settings, approximated (results/cluster.md says what differs).
+
+    Every instance is one node: llama-3-70b on 8 A800s (``--tp 8``), its device blocks
+    plus host blocks making 3M tokens of cache, no storage of its own; "global" adds a
+    pool of every node's 3M tokens over each node's 100 GB/s of NICs. Loads are waited
+    for (``wait_complete``): Mooncake's prefill reads its cached prefix, local or
+    remote, before it computes."""
+    model = dict(model="llama-3-70b", profile=A800, tp=8, prefetch_policy="wait_complete",
+                 storage_blocks=0, limit=limit)
+    probe = ReplayConfig(trace=str(CONV), instances=1, **model)
+    dev = _device_blocks(probe)
+    bt = 512  # the traces' block
+    node_blocks = NODE_TOKENS // bt
+    host = max(0, node_blocks - dev)
+
+    def cfg(trace: Path, n: int, router: str, pool: bool, pd: str | None = None
+            ) -> ReplayConfig:
+        kw = dict(model, host_blocks=host, pd=pd)
+        if pool:
+            kw.update(storage_blocks=None, pool_blocks=n * node_blocks,
+                      nic_gb_per_s=NODE_NIC_GB_PER_S)
+        return ReplayConfig(trace=str(trace), instances=n, router=router, **kw)
+
+    fig5 = {"random": cfg(CONV, 16, "random", False),
+            "least_loaded": cfg(CONV, 16, "least_loaded", False),
+            "prefix": cfg(CONV, 16, "prefix", False),
+            "ttft": cfg(CONV, 16, "ttft", False),
+            "prefix+pool": cfg(CONV, 16, "prefix", True),
+            "ttft+pool": cfg(CONV, 16, "ttft", True)}
     tmp = Path(tempfile.mkdtemp(prefix="kvflow_mooncake_"))
     traces = {"conversation": _one_token_trace(CONV, tmp / "conv1.jsonl"),
               "tool_agent": _one_token_trace(tool_agent_trace(tmp), tmp / "tool1.jsonl"),
               "synthetic": _one_token_trace(SYNTH, tmp / "synth1.jsonl")}
-    # 3M tokens of cache a node: 5,859 blocks of 512 tokens (device + host), no storage.
-    node_blocks = 3_000_000 // 512
     fig10 = {}
     for name, path in traces.items():
-        common = dict(trace=str(path), model="llama-3-70b", profile="a100", tp=8,
-                      instances=10, router="prefix", storage_blocks=0)
-        local = ReplayConfig(**common)
-        dev = _device_blocks(local)
-        host = max(0, node_blocks - dev)
-        fig10[f"{name} local"] = dataclasses.replace(local, host_blocks=host)
-        fig10[f"{name} global"] = dataclasses.replace(
-            local, host_blocks=host, storage_blocks=None, pool_blocks=10 * node_blocks)
+        fig10[f"{name} local"] = cfg(path, 10, "prefix", False)
+        fig10[f"{name} global"] = cfg(path, 10, "prefix", True)
+    if pd is not None:  # Fig. 5 again with P prefill and D decode nodes (Mooncake's shape)
+        fig5 = {f"{k} pd {pd}": dataclasses.replace(c, pd=pd) for k, c in fig5.items()}
+        fig10 = {}
     jobs = list(fig5.items()) + list(fig10.items())
     with ProcessPoolExecutor(workers) as ex:
         results = list(ex.map(_run, [c for _, c in jobs]))
     out = {name: _row(name, r) for (name, _), r in zip(jobs, results, strict=True)}
-    return {"fig5": {k: {"kvflow_ttft_mean_s": out[k]["ttft_mean_s"],
-                         "paper_ttft_mean_s": MOONCAKE_FIG5[k],
-                         "overloaded": out[k]["overloaded"]} for k in fig5},
-            "fig10": {k: {"kvflow_hit_local": out[f"{k} local"]["hit_total"],
-                          "kvflow_hit_global": out[f"{k} global"]["hit_total"],
+    paper5 = {"random": 19.65, "least_loaded": 5.27, "prefix": 3.58, "ttft": 3.58,
+              "prefix+pool": 3.07, "ttft+pool": 3.07}
+    return {"setting": {"device_blocks": dev, "host_blocks": host, "node_blocks": node_blocks},
+            "fig5": {k: dict(out[k], paper_ttft_mean_s=paper5[k.split(" pd ")[0]])
+                     for k in fig5},
+            "fig10": {k: {"local": out[f"{k} local"], "global": out[f"{k} global"],
                           "paper_hit_local": MOONCAKE_FIG10[k][0],
-                          "paper_hit_global": MOONCAKE_FIG10[k][1]} for k in traces}}
+                          "paper_hit_global": MOONCAKE_FIG10[k][1]} for k in traces
+                     if fig10}}
 
 
 def _device_blocks(cfg: ReplayConfig) -> int:
@@ -167,6 +201,11 @@ def main() -> int:
     ap.add_argument("--pool-gb", type=float, default=16 * 2048.0,
                     help="global pool size (default: the 16 instances' 2 TB each)")
     ap.add_argument("--slo", type=float, nargs=2, default=(2.0, 0.1), metavar=("TTFT", "TPOT"))
+    ap.add_argument("--policies", nargs="+", default=["best_effort"],
+                    help="prefetch policies of the table (each: every trace x router x pool)")
+    ap.add_argument("--limit", type=int, help="only the first N requests of each trace")
+    ap.add_argument("--mooncake-pd", metavar="P:D",
+                    help="--mooncake: Fig. 5 only, with P prefill and D decode nodes")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     everything = not (a.table or a.speed or a.mooncake)
@@ -176,16 +215,17 @@ def main() -> int:
         out["speed"] = speed(a.repeat, a.pool_gb)
         print(json.dumps(out["speed"], indent=1), flush=True)
     if a.table or everything:
-        out["table"] = table(a.workers, tuple(a.slo), a.pool_gb)
-        print("| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded |")
-        print("|---|---:|---:|---|---:|---|")
+        out["table"] = table(a.workers, tuple(a.slo), a.pool_gb, tuple(a.policies), a.limit)
+        print("| setting | TTFT mean | TTFT p90 | hit d/h/s/total | SLO | overloaded | "
+              "CPU / wall |")
+        print("|---|---:|---:|---|---:|---|---:|")
         for r in out["table"]:
-            print(f"| {r['setting']} | {r['ttft_mean_s']:.2f} s | {r['ttft_p90_s']:.2f} s | "
+            print(f"| {r['setting']} | {r['ttft_mean_s']:.3f} s | {r['ttft_p90_s']:.3f} s | "
                   f"{r['hit_device']:.1%} / {r['hit_host']:.1%} / {r['hit_storage']:.1%} / "
-                  f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} |",
-                  flush=True)
+                  f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} | "
+                  f"{r['cpu_s']:.1f} / {r['wall_s']:.1f} s |", flush=True)
     if a.mooncake or everything:
-        out["mooncake"] = mooncake(a.workers)
+        out["mooncake"] = mooncake(a.workers, a.limit, a.mooncake_pd)
         print(json.dumps(out["mooncake"], indent=1), flush=True)
     out["wall_s"], out["cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
     if a.json:

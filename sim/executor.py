@@ -112,17 +112,7 @@ class SimExecutor:
         ``until``: one rule for the first plan and any cut, so a cut run stops exactly
         where a run told the earlier ``until`` from the start would have."""
         budget = None if until is None else until - run.start
-        step_time = self.cost.decode_step_time
-        batch, context_sum = run.batch, run.context_sum
-        total = 0.0
-        ran = 0
-        while ran < run.max_steps:
-            total += step_time(batch, context_sum)
-            ran += 1
-            if budget is not None and total >= budget:
-                break
-            context_sum += batch  # every context grows by the token just decoded
-        return ran, total
+        return self.cost.decode_run(run.batch, run.context_sum, run.max_steps, budget)
 
     async def run_decode_steps(self, count: int, context_sum: int, max_steps: int,
                                until: float | None) -> int:

@@ -9,7 +9,9 @@ section (it gained fields: ``tp``, ``pool_*``, ``nic_*``, ``cluster``,
 the ``headroom`` section (the offline optimum, added since: ``kvflow.headroom``);
 every other number is in. A change meant to move results records new digests and says why:
 three_ttft_small_tiers moved when recomputed blocks indexed below the device became
-device copies instead of being freed (its storage hits are recomputed under best_effort).
+device copies instead of being freed (its storage hits are recomputed under best_effort),
+and again when the router's exact view stopped crediting an instance with storage hits it
+does not read at admission (best_effort with a host tier: ``instances.reads_storage``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "three_ttft_small_tiers": (
         {"instances": 3, "router": "ttft", "device_blocks": 200, "host_blocks": 600,
          "storage_blocks": 3000},
-        "c7c1ec48d00a0ce81ed2c94e6e5d3ec44db164fe7d0d1078bd89d69cfdf7b3a7"),  # adopted blocks
+        "f6be8105738dfe1f4baebde1f05575f52999d47c740dd54e3299eb1bb4170970"),  # reads_storage
     "two_approx_write_back": (
         {"instances": 2, "router": "prefix", "router_view": "approx",
          "write_policy": "write_back", "device_blocks": 300, "host_blocks": 400,

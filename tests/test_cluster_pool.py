@@ -151,6 +151,41 @@ def test_pool_eviction_leaves_every_view():
         m.check_invariants()
 
 
+def test_the_router_credits_the_pool_only_to_instances_that_read_storage():
+    """A best-effort instance with a host tier recomputes at admission what has not
+    reached host (``Engine._admit``): the pool's blocks, and its own storage-only ones,
+    are no hits it would use, so the router's exact view must not credit them (it did:
+    the prefix router then spread each conversation over instances that recomputed it,
+    total hit rate 0.300 with local storage, 0.275 with the pool, full conversation
+    trace at 16 instances)."""
+    from kvflow.cluster.instances import reads_storage, tier_hits
+
+    writer = _manager()
+    effort = PoolViewManager(Capacities(8, 8, 8), prefetch_policy="best_effort")
+    waits = PoolViewManager(Capacities(8, 8, 8), prefetch_policy="wait_complete")
+    no_host = PoolViewManager(Capacities(8, 0, 8), prefetch_policy="best_effort")
+    pool = GlobalPool(16)
+    pool.attach([writer, effort, waits, no_host])
+    _written(writer, "abc")
+    assert [reads_storage(m) for m in (effort, waits, no_host)] == [False, True, True]
+    for m, want in ((effort, (0, 0, 0)), (waits, (0, 0, 3)), (no_host, (0, 0, 3))):
+        assert pool.tier_hits(m, "abcd", reads_storage(m)) == want
+    # What the instance holds itself counts up to its first block below host: 'a' is on
+    # the writer's device and host, 'b', 'c' only on its storage once evicted from both.
+    for key in "cb":
+        node = writer.index.get(key)
+        for t in (Tier.DEVICE, Tier.HOST):
+            writer.pools[t].free([writer.index.drop_copy(node, t)])
+    writer.check_invariants()
+    assert tier_hits(writer, "abcd") == (1, 0, 2)
+    assert tier_hits(writer, "abcd", reads_storage=False) == (1, 0, 0)
+    # A host copy still landing for a prefetch is cut too, as the best-effort plan cuts it.
+    writer.prefetch("abc")
+    assert writer.index.get("b").state[Tier.HOST] != READY
+    assert tier_hits(writer, "abcd") == (1, 2, 0)
+    assert tier_hits(writer, "abcd", reads_storage=False) == (1, 0, 0)
+
+
 def test_attach_needs_pool_view_managers():
     from kvflow.manager import CacheManager
 

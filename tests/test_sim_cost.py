@@ -225,6 +225,27 @@ def test_decode_step_time_from_sums_is_bit_identical(contexts: list[int], steps:
     assert CostModel(LLAMA8B, H100).decode_step_time(0, 0) == 0.0
 
 
+CALIBRATED = Path(__file__).resolve().parents[1] / "sim/profiles/h100-calibrated.toml"
+
+
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(0, 300), context_sum=st.integers(0, 10**8),
+       max_steps=st.integers(0, 9000),
+       budget=st.none() | st.floats(-1.0, 200.0, allow_nan=False),
+       tp=st.sampled_from([1, 2, 8]), calibrated=st.booleans(),
+       model=st.sampled_from(["llama-3-8b", "llama-3-70b"]))
+def test_decode_run_is_the_step_by_step_sum_bit_for_bit(
+        batch: int, context_sum: int, max_steps: int, budget: float | None, tp: int,
+        calibrated: bool, model: str) -> None:
+    """A run of decode steps (the simulated executor's fast-forward) is vectorised
+    over chunks; it must stop at the same step with the same total, to the bit, as
+    summing ``decode_step_time`` one step at a time (the replay digests pin it too)."""
+    profile = load_profile(str(CALIBRATED)) if calibrated else H100
+    cm = CostModel(preset(model), profile, tp)
+    assert cm.decode_run(batch, context_sum, max_steps, budget) == \
+        cm._decode_run_steps(batch, context_sum, max_steps, budget)
+
+
 def test_gemm_efficiency_curve_shapes_the_weight_time(tmp_path: Path) -> None:
     """A calibrated profile's measured GEMM efficiency by rows divides the weight time:
     few rows run far below the rate of a full chunk, which ``mfu`` keeps."""

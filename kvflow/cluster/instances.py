@@ -18,21 +18,39 @@ from kvflow.cluster.pd import Disaggregation, parse_pd
 from kvflow.cluster.router import InstanceView, Prediction, Router, make_router
 from kvflow.cost import CostModel
 from kvflow.engine import Engine, EngineRequest, RequestState
-from kvflow.manager import CacheManager
+from kvflow.manager import CacheManager, OpKind
 from kvflow.profile import GpuProfile
-from kvflow.radix import FILLING, READY
+from kvflow.radix import FILLING, READY, Tier
 
 _USABLE = (READY, FILLING)
 
 
-def tier_hits(manager: CacheManager, keys: Sequence[Hashable]) -> tuple[int, int, int]:
-    """The cached prefix of ``keys`` on ``manager``'s tiers: blocks by their best tier."""
+def tier_hits(manager: CacheManager, keys: Sequence[Hashable],
+              reads_storage: bool = True) -> tuple[int, int, int]:
+    """The cached prefix of ``keys`` on ``manager``'s tiers: blocks by their best tier.
+
+    ``reads_storage=False``: only the prefix a plan made now would reuse when it reads
+    nothing from storage (best-effort admission, ``reads_storage``): it stops at the
+    first block only in storage or still on its way up to host for a prefetch.
+    """
     counts = [0, 0, 0]
     for node in manager.match(keys):  # each has a copy (or one landing) on some tier
         state = node.state
         t = 0 if state[0] in _USABLE else 1 if state[1] in _USABLE else 2
+        if not reads_storage and (t == 2 or (t == 1 and state[1] == FILLING and (
+                node.inflight[1] is None or node.inflight[1].kind is OpKind.PREFETCH))):
+            break
         counts[t] += 1
     return counts[0], counts[1], counts[2]
+
+
+def reads_storage(manager: CacheManager) -> bool:
+    """Whether a request admitted now reads its storage hits (``Engine._admit``): not
+    under best effort with a host tier, which recomputes what has not reached host
+    (at a cluster's usual load a request is admitted on arrival, before any prefetch
+    lands), so a router crediting those blocks to the instance credits work it redoes."""
+    return not (manager.prefetch_policy.name == "best_effort"
+                and manager.has_tier(Tier.HOST))
 
 
 def prediction(cost: CostModel, profile: GpuProfile, max_batch_tokens: int,
@@ -63,10 +81,11 @@ class Cluster:
     """The instances of a replay and the router in front of them."""
 
     def __init__(self, cfg: Any, setup: Any, parts: Sequence[Any],
-                 lookup: Callable[[CacheManager, Sequence[Hashable]],
+                 lookup: Callable[[CacheManager, Sequence[Hashable], bool],
                                   tuple[int, int, int]] | None = None) -> None:
         """``lookup``: an instance's cached prefix per tier as the exact view sees it
-        (default ``tier_hits``; a shared pool adds what it holds)."""
+        (default ``tier_hits``; a shared pool adds what it holds), told whether the
+        instance reads storage at admission (``reads_storage``)."""
         everyone = [p.engine for p in parts]
         pd = getattr(cfg, "pd", None)
         if pd is not None:  # the router sends requests to the prefill instances only
@@ -108,7 +127,8 @@ class Cluster:
 
             views.append(InstanceView(
                 i, bt, caps.device + caps.host,
-                lookup=lambda keys, mgr=mgr: find(mgr, keys), backlog_s=backlog,
+                lookup=lambda keys, mgr=mgr, s=reads_storage(mgr): find(mgr, keys, s),
+                backlog_s=backlog,
                 predict=own if mixed else None))
         self.router: Router = make_router(cfg.router, views, cfg.router_view, predict, cfg.seed)
         for i, engine in enumerate(self.engines):

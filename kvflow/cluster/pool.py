@@ -244,10 +244,15 @@ class GlobalPool:
         if deepest is not None:
             self.directory.touch(deepest)
 
-    def tier_hits(self, manager: CacheManager, keys: Sequence[Hashable]) -> tuple[int, int, int]:
+    def tier_hits(self, manager: CacheManager, keys: Sequence[Hashable],
+                  reads_storage: bool = True) -> tuple[int, int, int]:
         """A router's exact view of an instance: its own tiers' prefix, then what the pool
-        holds beyond it (storage hits, as the instance would read them)."""
-        d, h, s = tier_hits(manager, keys)
+        holds beyond it (storage hits, as the instance would read them). An instance that
+        reads no storage at admission (best effort: ``instances.reads_storage``) reads
+        nothing from the pool either: the pool adds nothing to its view."""
+        d, h, s = tier_hits(manager, keys, reads_storage)
+        if not reads_storage:
+            return d, h, s
         n = d + h + s
         entries = self.directory.entries
         while n < len(keys) and keys[n] in entries:
