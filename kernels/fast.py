@@ -57,7 +57,10 @@ PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
                     "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1),
                     "w4m2n64q": (4, 2, 64, 2, 3), "w4m2n32q": (4, 2, 32, 2, 3),
                     "w8m2n64q": (8, 2, 64, 2, 3)}
-DEFAULT_PREFILL = "w4m2n32o"
+#: w4m2n64q (Q in shared memory, 64-key tiles): 0.298 / 0.318 of the peak at 8k (16- /
+#: 32-token blocks) against w4m2n32o's 0.289 / 0.297, 3-12% faster at every size measured,
+#: head dims 64 and 128 checked against the reference on the H100 (2026-11-25).
+DEFAULT_PREFILL = "w4m2n64q"
 #: Keys per K/V tile of the decode kernel (16 per warp).
 _BN = 64
 _DECODE_WARPS, _DECODE_STAGES = 4, 3
