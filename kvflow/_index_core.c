@@ -11,6 +11,25 @@
  * Ownership: the index's dict owns its nodes; a node owns its key, its parent
  * and its in-flight op list; a LinkedLRU owns one reference to every node on
  * its list (links themselves are borrowed pointers inside the nodes).
+ *
+ * Layout: one translation unit (a unity build: one compile, and the hot paths
+ * inline across parts as they did when this was one file), its parts in
+ * kvflow/csrc/, included below in dependency order, each listed in pyproject's
+ * ``depends`` (tests/test_index_core.py checks both):
+ *   index_core.h        copy states, interned names, the node's layout, the
+ *                       intrusive node lists and rank buckets the orders share
+ *   node.c              Node and Triple (match's result)
+ *   order_lru.c         LinkedLRU
+ *   order_buckets.c     LinkedBuckets (length-aware, LFU)
+ *   ghosts.c            ghost lists of evicted keys (ARC's B1/B2, S3-FIFO's)
+ *   order_arc.c         LinkedARC
+ *   order_s3fifo.c      LinkedS3FIFO and its candidates scan
+ *   order_cost.c        LinkedCost (CostAware, GDSF)
+ *   order_cost_scan.c   LinkedCost's candidates scan
+ *   core.c              Core: match, ref, release and the other per-request loops
+ *   core_victims.c      Core's drop_front and take_victims
+ *   access_log.c        AccessLog: compact accesses and Belady's MIN (headroom)
+ * This file keeps the module's init.
  */
 
 #include "csrc/index_core.h"
