@@ -1,7 +1,7 @@
 /* Core's eviction loops: drop_front and take_victims.
  *
- * Part of kvflow._index_core: compiled as one translation unit, included by
- * kvflow/_index_core.c in dependency order (see index_core.h). */
+ * Part of kvflow._index_core, one translation unit: kvflow/_index_core.c includes
+ * the parts in dependency order; not compiled on its own. */
 
 #include "index_core.h"
 

@@ -40,8 +40,9 @@ typedef struct NodeObject {
     Py_ssize_t depth, children, ref, hits, last_access;
     long loc[NTIERS];
     int state[NTIERS];
-    /* Links of the native order (LinkedLRU, LinkedBuckets) of this node's copy on
-     * each tier, and its rank there (LinkedBuckets). */
+    /* Links of the native order (LinkedLRU, LinkedBuckets, LinkedARC, LinkedS3FIFO,
+     * LinkedCost) of this node's copy on each tier, and its rank or place there
+     * (each order says what it keeps in it). */
     struct NodeObject *prev[NTIERS], *next[NTIERS];
     long long rank[NTIERS];
     unsigned char linked;       /* bit t: on tier t's native order */

@@ -1,12 +1,11 @@
 /* Node, the prefix index's node as a C struct, and Triple, match's result.
  *
- * Part of kvflow._index_core: compiled as one translation unit, included by
- * kvflow/_index_core.c in dependency order (see index_core.h). */
+ * Part of kvflow._index_core, one translation unit: kvflow/_index_core.c includes
+ * the parts in dependency order; not compiled on its own. */
 
 #include "index_core.h"
 
 /* ------------------------------------------------------------------ Node */
-
 
 static NodeObject *
 node_new_raw(PyObject *key, NodeObject *parent)
