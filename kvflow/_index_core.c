@@ -25,7 +25,7 @@
  *   order_arc.c         LinkedARC
  *   order_s3fifo.c      LinkedS3FIFO and its candidates scan
  *   order_cost.c        LinkedCost (CostAware, GDSF)
- *   order_cost_scan.c   LinkedCost's candidates scan
+ *   order_cost_evict.c  LinkedCost's first, pop_front, push_front and candidates scan
  *   core.c              Core: match, ref, release and the other per-request loops
  *   core_victims.c      Core's drop_front and take_victims
  *   access_log.c        AccessLog: compact accesses and Belady's MIN (headroom)
@@ -41,7 +41,7 @@
 #include "csrc/order_arc.c"
 #include "csrc/order_s3fifo.c"
 #include "csrc/order_cost.c"
-#include "csrc/order_cost_scan.c"
+#include "csrc/order_cost_evict.c"
 #include "csrc/core.c"
 #include "csrc/core_victims.c"
 #include "csrc/access_log.c"

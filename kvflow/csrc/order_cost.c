@@ -328,143 +328,6 @@ Cost_ref(CostObject *o, PyObject *arg)
 }
 
 static PyObject *
-Cost_first(CostObject *o, PyObject *unused)
-{
-    for (;;) {
-        co_clean_front(o);
-        if (!o->nb)
-            break;
-        NodeObject *n = o->b[0].head;
-        if (!o->checks_tags || CO_TAG(o, n) == co_route(o, n))
-            return Py_NewRef(n);
-        Py_INCREF(n);  /* stale: ranked again */
-        co_unlink(o, n);
-        Py_DECREF(n);
-        int r = co_place(o, n, 0.0);
-        Py_DECREF(n);
-        if (r < 0)
-            return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-static int
-co_popped_room(CostObject *o)
-{
-    if (o->np < o->pcap)
-        return 0;
-    Py_ssize_t cap = o->pcap ? 2 * o->pcap : 64;
-    NodeObject **pn = PyMem_Realloc(o->pn, cap * sizeof(NodeObject *));
-    if (pn == NULL)
-        goto nomem;
-    o->pn = pn;
-    long long *pr = PyMem_Realloc(o->pr, cap * sizeof(long long));
-    if (pr == NULL)
-        goto nomem;
-    o->pr = pr;
-    int *pt = PyMem_Realloc(o->pt, cap * sizeof(int));
-    if (pt == NULL)
-        goto nomem;
-    o->pt = pt;
-    o->pcap = cap;
-    return 0;
-nomem:
-    PyErr_NoMemory();
-    return -1;
-}
-
-static PyObject *
-Cost_pop_front(CostObject *o, PyObject *arg)
-{
-    Py_ssize_t k = PyLong_AsSsize_t(arg);
-    if (k == -1 && PyErr_Occurred())
-        return NULL;
-    o->clock_before = o->clock;
-    o->np = 0;
-    PyObject *out = PyList_New(0);
-    if (out == NULL)
-        return NULL;
-    while (PyList_GET_SIZE(out) < k) {
-        co_clean_front(o);
-        if (!o->nb)
-            break;
-        long long r = o->b[0].rank;
-        Py_ssize_t batch = k - PyList_GET_SIZE(out);
-        if (batch > o->b[0].size)
-            batch = o->b[0].size;
-        /* CostAware takes a snapshot of the bucket's first ``batch``; a block ranked
-         * again lands behind them (or elsewhere), so they are its first ``batch`` still. */
-        for (Py_ssize_t j = 0; j < batch; j++) {
-            Py_ssize_t i = bucket_find(o->b, o->nb, r);
-            NodeObject *n = o->b[i].head;
-            int tag = CO_TAG(o, n);
-            co_unlink(o, n);  /* the order's reference is ours now */
-            if (o->checks_tags && tag != co_route(o, n)) {
-                int rr = co_place(o, n, 0.0);  /* its route back changed: ranked again */
-                Py_DECREF(n);
-                if (rr < 0) {
-                    Py_DECREF(out);
-                    return NULL;
-                }
-                continue;
-            }
-            if (co_popped_room(o) < 0 || PyList_Append(out, (PyObject *)n) < 0) {
-                Py_DECREF(n);
-                Py_DECREF(out);
-                return NULL;
-            }
-            Py_DECREF(n);  /* the list holds it */
-            o->pn[o->np] = n;
-            o->pr[o->np] = r;
-            o->pt[o->np++] = tag;
-            if ((double)r > o->clock)
-                o->clock = (double)r;
-        }
-    }
-    return out;
-}
-
-static PyObject *
-Cost_push_front(CostObject *o, PyObject *arg)
-{
-    PyObject *seq = node_seq(arg, "push_front takes a sequence of nodes");
-    if (seq == NULL)
-        return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = len - 1; i >= 0; i--) {
-        NodeObject *n = (NodeObject *)items[i];
-        Py_ssize_t j = o->np - 1;
-        while (j >= 0 && o->pn[j] != n)
-            j--;
-        if (j < 0) {
-            Py_DECREF(seq);
-            PyErr_SetObject(PyExc_KeyError, (PyObject *)n);
-            return NULL;
-        }
-        if (LINKED(o, n)) {
-            co_unlink(o, n);
-            Py_DECREF(n);
-        }
-        if (co_link(o, n, o->pr[j], o->pt[j], 1) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        /* forget it (CostAware's popped.pop(node)) */
-        memmove(o->pn + j, o->pn + j + 1, (o->np - j - 1) * sizeof(NodeObject *));
-        memmove(o->pr + j, o->pr + j + 1, (o->np - j - 1) * sizeof(long long));
-        memmove(o->pt + j, o->pt + j + 1, (o->np - j - 1) * sizeof(int));
-        o->np--;
-    }
-    Py_DECREF(seq);
-    o->clock = o->clock_before;  /* only the victims kept age the order */
-    for (Py_ssize_t j = 0; j < o->np; j++)
-        if ((double)o->pr[j] > o->clock)
-            o->clock = (double)o->pr[j];
-    Py_RETURN_NONE;
-}
-
-static PyObject *
 Cost_tracked(CostObject *o, PyObject *unused)
 {
     PyObject *s = PySet_New(NULL);
@@ -498,6 +361,10 @@ Cost_buckets(CostObject *o, PyObject *unused)
     return out;
 }
 
+/* In order_cost_evict.c (included next). */
+static PyObject *Cost_first(CostObject *o, PyObject *unused);
+static PyObject *Cost_pop_front(CostObject *o, PyObject *arg);
+static PyObject *Cost_push_front(CostObject *o, PyObject *arg);
 static PyObject *Cost_candidates(CostObject *o, PyObject *unused);
 
 static Py_ssize_t
