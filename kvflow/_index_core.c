@@ -28,7 +28,8 @@
  *   order_cost_evict.c  LinkedCost's first, pop_front, push_front and candidates scan
  *   core.c              Core: match, ref, release and the other per-request loops
  *   core_victims.c      Core's drop_front and take_victims
- *   access_log.c        AccessLog: compact accesses and Belady's MIN (headroom)
+ *   access_log.c        AccessLog: a trace's accesses, compact (headroom)
+ *   access_log_belady.c AccessLog.hits: Belady's MIN over them
  * This file keeps the module's init.
  */
 
@@ -45,6 +46,7 @@
 #include "csrc/core.c"
 #include "csrc/core_victims.c"
 #include "csrc/access_log.c"
+#include "csrc/access_log_belady.c"
 
 /* ---------------------------------------------------------------- module */
 

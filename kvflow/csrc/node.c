@@ -41,6 +41,21 @@ node_check(PyObject *o)
     return -1;
 }
 
+/* ``arg`` as a node on tier ``tier``'s native order: NULL with TypeError if it is no
+ * Node, KeyError if it is not on the order (as the Python orders' dicts raise). */
+static inline NodeObject *
+node_ordered(PyObject *arg, int tier)
+{
+    if (node_check(arg) < 0)
+        return NULL;
+    NodeObject *n = (NodeObject *)arg;
+    if (!((n->linked >> tier) & 1)) {
+        PyErr_SetObject(PyExc_KeyError, arg);
+        return NULL;
+    }
+    return n;
+}
+
 /* Every item a Node; returns a new reference to a fast sequence, or NULL. */
 static PyObject *
 node_seq(PyObject *arg, const char *what)

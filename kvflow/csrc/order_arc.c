@@ -199,13 +199,9 @@ ARC_unref_all(ARCObject *o, PyObject *arg)
 static PyObject *
 ARC_ref(ARCObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     arc_unlink(o, n);  /* rank[t] keeps 1 or 2: held */
     Py_DECREF(n);
     Py_RETURN_NONE;
@@ -363,13 +359,9 @@ ARC_push_front(ARCObject *o, PyObject *arg)
 static PyObject *
 ARC_move_to_end(ARCObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     int w = (int)n->rank[o->tier];
     arc_unlink(o, n);
     arc_append(o, n, w);

@@ -156,13 +156,9 @@ Buckets_remove(BucketsObject *o, PyObject *arg)
 static PyObject *
 Buckets_ref(BucketsObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     bk_unlink(o, n);
     Py_DECREF(n);
     Py_RETURN_NONE;
@@ -254,13 +250,9 @@ Buckets_push_front(BucketsObject *o, PyObject *arg)
 static PyObject *
 Buckets_move_to_end(BucketsObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     bk_unlink(o, n);
     int r = bk_link(o, n, 0);
     Py_DECREF(n);

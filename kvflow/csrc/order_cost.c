@@ -315,13 +315,9 @@ Cost_remove(CostObject *o, PyObject *arg)
 static PyObject *
 Cost_ref(CostObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     co_unlink(o, n);
     Py_DECREF(n);
     Py_RETURN_NONE;

@@ -207,13 +207,9 @@ LRU_push_front(LRUObject *o, PyObject *arg)
 static PyObject *
 LRU_move_to_end(LRUObject *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     lru_unlink(o, n);
     lru_append(o, n);
     Py_DECREF(n);

@@ -142,13 +142,9 @@ S3_insert(S3Object *o, PyObject *arg)
 static PyObject *
 S3_ref(S3Object *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     int f = S3_F(o, n) + 1;
     n->rank[o->tier] = ((long long)S3_Q(o, n) << 8) | (f < S3_MAX_FREQ ? f : S3_MAX_FREQ);
     Py_RETURN_NONE;
@@ -163,13 +159,9 @@ S3_unref(S3Object *o, PyObject *arg)
 static PyObject *
 S3_remove(S3Object *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     int q = S3_Q(o, n);
     s3_unlink(o, n);
     if (q == S3_SMALL) {
@@ -240,13 +232,9 @@ S3_queue(S3Object *o, PyObject *arg)
 static PyObject *
 S3_freq(S3Object *o, PyObject *arg)
 {
-    if (node_check(arg) < 0)
+    NodeObject *n = node_ordered(arg, o->tier);
+    if (n == NULL)
         return NULL;
-    NodeObject *n = (NodeObject *)arg;
-    if (!LINKED(o, n)) {
-        PyErr_SetObject(PyExc_KeyError, arg);
-        return NULL;
-    }
     return PyLong_FromLong(S3_F(o, n));
 }
 
