@@ -2,8 +2,8 @@
 
 Every block of every request passes through these loops (match, ref, index
 new blocks, commit, release, evict from the front of the order), so
-``kvflow/_index_core.c`` implements the same API natively: nodes as C structs
-and an LRU order linked through them. This module is the reference: the
+``kvflow/_index_core.c`` (its parts in ``kvflow/csrc/``) implements the same API
+natively: nodes as C structs and an LRU order linked through them. This module is the reference: the
 fallback where the extension was not built, and the oracle the tests hold the
 native core to. Change one, change both; ``tests/test_index_core_equivalence.py``
 runs them side by side.

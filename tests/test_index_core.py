@@ -55,6 +55,22 @@ def test_the_c_source_compiles_without_warnings():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_every_part_of_the_c_source_is_built_and_rebuilds_it():
+    """_index_core.c is one translation unit that #includes its parts in kvflow/csrc/: a
+    part it does not include is never compiled, and one missing from the extension's
+    ``depends`` in pyproject does not trigger a rebuild when it changes."""
+    tomllib = pytest.importorskip("tomllib")
+    root = SOURCE.parents[1]
+    parts = sorted(p.relative_to(root).as_posix() for p in (root / "kvflow" / "csrc").iterdir())
+    with open(root / "pyproject.toml", "rb") as f:
+        (ext,) = tomllib.load(f)["tool"]["setuptools"]["ext-modules"]
+    assert ext["sources"] == ["kvflow/_index_core.c"]
+    assert sorted(ext["depends"]) == parts
+    included = {line.split('"')[1] for line in SOURCE.read_text().splitlines()
+                if line.startswith("#include \"")}
+    assert included == {p.removeprefix("kvflow/") for p in parts}
+
+
 def test_an_unknown_or_missing_core_is_a_clear_error(monkeypatch):
     with pytest.raises(ConfigError, match="unknown index core 'fast'; valid: auto, native"):
         PrefixIndex([4, 0, 0], core="fast")
