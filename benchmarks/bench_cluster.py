@@ -1,6 +1,6 @@
 """Cluster replay (issue 18): routers x pools at 16 instances, its cost, and Mooncake's figures.
 
-Three parts, each a flag (all by default):
+Four parts, each a flag (all by default):
 
 ``--table``   the full conversation trace (and a tool&agent-like and the synthetic
               trace) on 16 simulated H100s, every router with per-instance storage
@@ -9,12 +9,14 @@ Three parts, each a flag (all by default):
 ``--speed``   CPU time of the 16-instance replay (prefix router, global pool) against
               the single-instance replay of the same trace, interleaved in one
               process, best of ``--repeat``: the cluster layer's cost;
+``--memory``  peak RSS and CPU per request of that 16-instance replay at 12k and ~96k
+              requests (the trace and eight copies of it in a row), each in its own process;
 ``--mooncake`` the settings of the Mooncake FAST'25 paper's Fig. 5 (scheduling policies,
               16 nodes of 8 GPUs, conversation trace) and Fig. 10 (10 prefill nodes,
               1-token outputs, 3M tokens of cache per node, local vs global pool),
               as close as kvflow's model gets, beside the published numbers.
 
-Run (repository root): ``python benchmarks/bench_cluster.py [--table] [--speed]
+Run (repository root): ``python benchmarks/bench_cluster.py [--table] [--speed] [--memory]
 [--mooncake] [--json out.json]``. Traces: ``../shared/traces`` (the conversation and
 synthetic traces) and a tool&agent-like trace ``kvflow trace gen tool-agent`` writes.
 """
@@ -184,6 +186,42 @@ def mooncake(workers: int, limit: int | None = None, pd: str | None = None
                      if fig10}}
 
 
+def _memory_child(trace: str, pool_gb: float) -> dict[str, Any]:
+    """One 16-instance replay (prefix router, global pool) in this (fresh) process."""
+    r = _run(ReplayConfig(trace=trace, instances=16, router="prefix", pool_gb=pool_gb))
+    return {"requests": r["requests"], "cpu_s": r["cpu_s"], "wall_s": r["run_wall_s"],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def memory(pool_gb: float) -> list[dict[str, Any]]:
+    """Peak RSS and CPU per request of the cluster replay at 12k and ~96k requests (the
+    conversation trace, and 8 copies of it one after another: ``traces.reshape.repeat``,
+    once with each copy's block ids its own (new users: the pool's index grows until the
+    pool is full) and once sharing them (the same prompts again)), each in its own
+    process so one peak cannot hide another's."""
+    from traces import open_trace
+    from traces.reshape import repeat
+    from traces.writer import write_generic
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = open_trace(CONV)
+        runs: list[tuple[str, Path]] = [("12k", CONV)]
+        for shared in (False, True):
+            x8 = Path(tmp) / f"conversation_x8_{'shared' if shared else 'own'}_ids.jsonl"
+            write_generic(repeat(tr, 8, share_ids=shared), x8, block_tokens=tr.block_tokens,
+                          force=True)
+            runs.append((f"96k, {'shared' if shared else 'own'} block ids", x8))
+        for name, trace in runs:
+            with ProcessPoolExecutor(1) as ex:
+                row = ex.submit(_memory_child, str(trace), pool_gb).result()
+            row["size"] = name
+            row["cpu_ms_per_request"] = 1e3 * row["cpu_s"] / row["requests"]
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def _device_blocks(cfg: ReplayConfig) -> int:
     from kvflow.replay import resolve
     from kvflow.world import load_world
@@ -196,6 +234,8 @@ def main() -> int:
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--mooncake", action="store_true")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS and CPU per request at 12k and ~96k requests")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--pool-gb", type=float, default=16 * 2048.0,
@@ -208,7 +248,7 @@ def main() -> int:
                     help="--mooncake: Fig. 5 only, with P prefill and D decode nodes")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    everything = not (a.table or a.speed or a.mooncake)
+    everything = not (a.table or a.speed or a.mooncake or a.memory)
     out: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
     t0, c0 = time.perf_counter(), time.process_time()
     if a.speed or everything:
@@ -224,6 +264,8 @@ def main() -> int:
                   f"{r['hit_device']:.1%} / {r['hit_host']:.1%} / {r['hit_storage']:.1%} / "
                   f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} | "
                   f"{r['cpu_s']:.1f} / {r['wall_s']:.1f} s |", flush=True)
+    if a.memory or everything:
+        out["memory"] = memory(a.pool_gb)
     if a.mooncake or everything:
         out["mooncake"] = mooncake(a.workers, a.limit, a.mooncake_pd)
         print(json.dumps(out["mooncake"], indent=1), flush=True)
