@@ -1,0 +1,226 @@
+"""Planning: what a request needs before it computes (``plan``), what a waiting one
+starts loading at arrival (``prefetch``), and a prefill/decode transfer (``remote_op``).
+
+Part of ``CacheManager`` (``kvflow.manager``); kept apart because it is the one
+path every request takes, and the longest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from kvflow.errors import NotEnoughBlocks
+from kvflow.index_core import NO_INFLIGHT
+from kvflow.plans import DEVICE, HOST, REMOTE_KINDS, STORAGE, OpKind, Plan, Reservation, TransferOp
+from kvflow.radix import FILLING, READY, Node, Tier
+
+
+class PlanningMixin:
+    """``prefetch``, ``release``, ``plan`` and ``remote_op`` of ``CacheManager``."""
+
+    def prefetch(self, keys: Sequence[Hashable], blocks_per_op: int = 4) -> Reservation:
+        """Start bringing a waiting request's storage hits up to host.
+
+        Called at arrival, long before the request gets device blocks, so its
+        storage reads overlap its time in the queue. Ops are small so that a
+        request scheduled mid-way can use the part that has landed.
+
+        The returned reservation references the blocks of the cached prefix
+        that are not on the device, so that what is on host (or on its way)
+        stays there while the request waits — even a queue of minutes;
+        ``release`` it once the request is planned. Device blocks are never held for a waiting
+        request (that could keep the head of the queue from ever fitting).
+        """
+        if not self.has_tier(HOST):
+            return Reservation([], [])
+        matched = self.index.match(keys)
+        held = [n for n in matched if n.best_tier() != DEVICE]
+        for n in held:
+            self.index.ref(n)
+        todo = [n for n in held if n.best_tier() == STORAGE]
+        ops: list[TransferOp] = []
+        if not todo:
+            return Reservation(ops, held)
+        host_ids = self._make_room(HOST, min(len(todo), self._room(HOST)), ops)
+        todo = todo[:len(host_ids)]
+        for n, h in zip(todo, reversed(host_ids), strict=True):
+            self.index.set_copy(n, HOST, h, FILLING)
+        for i in range(0, len(todo), blocks_per_op):
+            self._op(OpKind.PREFETCH, STORAGE, HOST, todo[i:i + blocks_per_op], ops,
+                     None)
+        return Reservation(ops, held)
+
+    def release(self, reservation: Reservation) -> None:
+        """Drop a prefetch reservation (tail-first, as requests release blocks)."""
+        for n in reversed(reservation.nodes):
+            self._release(n)
+        reservation.nodes = []
+
+    def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0,
+             use_storage: bool = True, device_only: bool = False) -> Plan:
+        """Reserve device blocks for a request and say which copies it needs.
+
+        ``use_storage=False`` stops the cached prefix at the first block that
+        is only in storage or still on its way up from it (best-effort
+        prefetch: what has not reached host by now is recomputed rather than
+        waited for). ``device_only=True`` stops it at the first block not
+        ready on the device: the plan loads nothing (a request whose KV comes
+        from another instance takes from this one only what its device holds,
+        so no load of its own can fail under it).
+
+        Raises ``NotEnoughBlocks`` when the device cannot hold the request now,
+        even after evicting every block that may go. References and the
+        request's own blocks are given back; evictions made stay made, their
+        copy-outs in ``detached_ops``. A block that a copy in flight is filling
+        becomes evictable only once it lands, so the same plan may fit then.
+        """
+        keys = tuple(keys)
+        if self.future is not None:
+            self.future.advance(request_id)
+        index = self.index
+        matched = index.match(keys)
+        if not use_storage:  # only what has landed: no storage read, none still in flight
+            for i, n in enumerate(matched):
+                t = n.best_tier()
+                if t == STORAGE or (t == HOST and n.state[HOST] == FILLING
+                                         and n.inflight[HOST].kind is OpKind.PREFETCH):  # type: ignore[union-attr]
+                    del matched[i:]
+                    break
+        if device_only:
+            for i, n in enumerate(matched):
+                if n.state[DEVICE] != READY:
+                    del matched[i:]
+                    break
+        index.ref_all(matched)
+        tiers = index.best_tiers(matched)
+        ops: list[TransferOp] = []
+        # Storage hits need a host block to land in (where there is a host tier);
+        # those that cannot get one are recomputed instead. Prefetch room comes
+        # first: device evictions below may want host room too.
+        host_ids: list[int] = []
+        if self.has_tier(HOST) and STORAGE in tiers:
+            host_ids = self._make_room(HOST, tiers.count(STORAGE), ops)
+            cut = [i for i, t in enumerate(tiers) if t == STORAGE][len(host_ids):]
+            if cut:
+                for n in matched[cut[0]:]:
+                    index.unref(n)
+                del matched[cut[0]:], tiers[cut[0]:]
+                keep = tiers.count(STORAGE)
+                self.pools[HOST].free(host_ids[keep:])
+                del host_ids[keep:]
+        n_new = len(keys) - len(matched)
+        needed = len(tiers) - tiers.count(DEVICE) + n_new + extra_blocks
+        dev_ids = self._make_room(DEVICE, needed, ops)
+        if len(dev_ids) < needed:
+            # Not even evicting every unreferenced block makes room: undo what is
+            # ours; copy-outs already started stay valid and are handed out apart.
+            self.pools[DEVICE].free(dev_ids)
+            self.pools[HOST].free(host_ids)
+            for n in matched:
+                index.unref(n)
+            self.detached_ops.extend(ops)
+            self.stats.rejected_plans += 1
+            raise NotEnoughBlocks(needed, len(dev_ids))
+        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
+
+        # Three swap-in groups, one op each, so that a prefetch cut short only
+        # fails the blocks that depended on it: host hits, storage hits staged
+        # through host, and storage hits read straight to device (no host tier).
+        from_host: list[Node] = []
+        staged: list[Node] = []
+        direct: list[Node] = []
+        device_ids = plan.device_ids
+        shared = plan.shared
+        now = self.stats.plans + 1
+        for n, t in zip(matched, tiers, strict=True):
+            n.hits += 1
+            n.last_access = now
+            if t == DEVICE:
+                device_ids.append(n.loc[0])
+                op = n.inflight[0]
+                if n.state[0] == FILLING and op is not None and op not in shared:
+                    shared.append(op)  # type: ignore[arg-type]
+                    op.sharers.append(plan)  # type: ignore[attr-defined]
+                continue
+            d = dev_ids.pop()
+            device_ids.append(d)
+            index.set_copy(n, DEVICE, d, FILLING)
+            if t == HOST:
+                from_host.append(n)
+                # A host copy still being filled by another plan's op: ours reads after it.
+                op = n.inflight[1]
+                if op is not None and op not in shared:
+                    shared.append(op)  # type: ignore[arg-type]
+                    op.sharers.append(plan)  # type: ignore[attr-defined]
+            elif host_ids:
+                index.set_copy(n, HOST, host_ids.pop(), FILLING)
+                staged.append(n)
+            else:
+                direct.append(n)
+        if staged:
+            self._op(OpKind.PREFETCH, STORAGE, HOST, staged, ops, plan)
+        for src, nodes in ((HOST, from_host), (HOST, staged),
+                           (STORAGE, direct)):
+            if nodes:
+                self._op(OpKind.SWAP_IN, src, DEVICE, nodes, ops, plan)
+
+        # New blocks: indexed as COMPUTING up to the first key that is indexed
+        # already (someone else is computing it) or repeated; ours stay private from there.
+        start = len(matched)
+        new_keys = keys[start:]
+        new_ids = dev_ids[extra_blocks:]
+        new_ids.reverse()
+        device_ids += new_ids
+        plan.extra_ids = dev_ids[:extra_blocks]
+        created = index.add_computing(matched[-1] if matched else None, new_keys, new_ids, now)
+        if len(created) < len(new_keys):
+            plan.private.extend(range(start + len(created), len(keys)))
+        plan.nodes += created
+        plan.computing += created
+
+        st = self.stats
+        st.plans += 1
+        st.prompt_blocks += len(keys)
+        if tiers:
+            hits = st.hits
+            for t in (0, 1, 2):
+                hits[t] += tiers.count(t)
+        return plan
+
+    def _op(self, kind: OpKind, src: Tier, dst: Tier, nodes: list[Node],
+            ops: list[TransferOp], plan: Plan | None) -> TransferOp:
+        op = TransferOp(next(self._op_ids), kind, src, dst,
+                        [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
+                        [n.key for n in nodes], nodes, plan)
+        for n in nodes:  # set_inflight, inline (every block of every op comes through here)
+            inflight = n.inflight
+            if inflight is NO_INFLIGHT:
+                n.inflight = inflight = [None, None, None]
+            inflight[dst] = op
+        self.inflight[op.op_id] = op
+        ops.append(op)
+        return op
+
+    # ------------------------------------------------------------ remote ops
+    def remote_op(self, kind: OpKind, plan: Plan, block_ids: Sequence[int],
+                  positions: Sequence[int]) -> TransferOp:
+        """A prefill/decode transfer of a planned request's prompt blocks (``kvflow.pd``).
+
+        ``SEND`` reads ``block_ids`` (this device's) for a peer; ``RECEIVE`` writes
+        them from one; ``positions`` are the blocks' places in the prompt, which is
+        all the two instances share. The op is in flight like any copy, so the
+        runtime orders it against copies of the same blocks and ``complete`` settles
+        it. It changes no node: a received block stays ``COMPUTING`` (not matchable)
+        until the request commits, and a failed receive leaves it the request's to
+        compute, exactly as if no transfer had been tried.
+        """
+        if kind not in REMOTE_KINDS:
+            raise ValueError(f"remote_op takes SEND or RECEIVE, not {kind}")
+        if len(block_ids) != len(positions):
+            raise ValueError(f"remote_op: {len(block_ids)} blocks, {len(positions)} positions")
+        local, remote = list(block_ids), list(positions)
+        src, dst = (local, remote) if kind is OpKind.SEND else (remote, local)
+        keys = [plan.keys[p] if p < len(plan.keys) else None for p in positions]
+        op = TransferOp(next(self._op_ids), kind, DEVICE, DEVICE, src, dst, keys, [], plan)
+        self.inflight[op.op_id] = op
+        return op
