@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
+from kvflow.index_core import NO_INFLIGHT
 from kvflow.plans import DEVICE, HOST, STORAGE, OpKind, Plan, TransferOp
 from kvflow.radix import ABSENT, COMPUTING, FILLING, READY, Node, Tier, set_inflight
 
@@ -37,9 +38,12 @@ class CompletionMixin:
             unreferenced = index.unreferenced
             for n in reversed(op.nodes):  # PrefixIndex.mark_ready, inline
                 st = n.state
-                if st[dst] == FILLING and n.inflight[dst] is op:
+                fl = n.inflight
+                if st[dst] == FILLING and fl[dst] is op:
                     st[dst] = READY
-                    n.inflight[dst] = None
+                    fl[dst] = None
+                    if fl[0] is None and fl[1] is None and fl[2] is None:
+                        n.inflight = NO_INFLIGHT  # (its list would stay for the node's life)
                     insert(n)
                     if n.ref == 0:
                         unreferenced[dst] += 1

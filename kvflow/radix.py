@@ -91,7 +91,10 @@ def set_inflight(node: Node, tier: int, op: object | None) -> None:
         if op is None:
             return
         node.inflight = [None, None, None]
-    node.inflight[tier] = op  # type: ignore[index]
+    fl = node.inflight
+    fl[tier] = op  # type: ignore[index]
+    if op is None and fl[0] is None and fl[1] is None and fl[2] is None:
+        node.inflight = NO_INFLIGHT  # a node keeps no list once nothing is in flight
 
 
 def _pick_core(core: str | None) -> bool:

@@ -434,3 +434,21 @@ def test_recomputed_blocks_indexed_below_become_device_copies() -> None:
     again = m.plan("r2", ["a", "b", "c", "d"], use_storage=False)
     assert again.hits(Tier.DEVICE) == 4
     m.check_invariants()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_node_keeps_no_inflight_list_once_its_ops_settle(ok):
+    """A node's per-tier in-flight slots are a list only while an op is in flight: kept
+    for the node's life, they were the second-largest thing a long cluster replay held
+    (benchmarks/results/cluster.md, memory)."""
+    from kvflow.index_core import NO_INFLIGHT
+
+    m = CacheManager(Capacities(3, host=8), write_policy="write_through")
+    _, backups = run(m, 1, "abc")
+    assert all(n.inflight is not NO_INFLIGHT for n in m.index)  # the backups in flight
+    while backups:
+        op = backups.pop(0)
+        backups += m.complete(op, ok=ok)
+    assert all(n.inflight is NO_INFLIGHT for n in m.index)
+    assert all(n.inflight[t] is None for n in m.index for t in range(3))
+    m.check_invariants()
