@@ -7,7 +7,8 @@ reports. Run each case in a fresh process (peak RSS is the process's).
 ``cost``: the section alone on a trace's default full-mode setup, best of 3,
 interleaved in one process: streaming the trace once (what any section pays to see
 every request's keys), the section as built now (``AccessLog``), and the list
-implementation it replaced (kept here verbatim); asserts both give the same figures.
+implementation it replaced (``traces.optimum.tier_optimum_hits``); asserts both give
+the same figures.
 
     python benchmarks/bench_headroom.py rss TRACE [--mode full] [--rate-scale 0.35] \\
         [--no-headroom]
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvflow.headroom import headroom_section
 from kvflow.replay import ReplayConfig, run_replay
 from kvflow.replay.config import resolve
-from traces.optimum import optimum_hits
+from traces.optimum import tier_optimum_hits
 
 
 def old_rates(requests, caps) -> list[float]:
@@ -35,18 +36,7 @@ def old_rates(requests, caps) -> list[float]:
     ``traces.optimum`` once per tier."""
     reqs = [r.keys for r in requests]
     blocks = sum(len(r) for r in reqs)
-    dev = caps[0]
-    out: list[int] = []
-    total = prev = 0
-    for t in range(3):
-        if caps[t] <= 0:
-            out.append(0)
-            continue
-        total += caps[t]
-        h = optimum_hits(reqs, total, truncate=dev)
-        out.append(h - prev)
-        prev = h
-    return [h / blocks for h in out]
+    return [h / blocks for h in tier_optimum_hits(reqs, caps)]
 
 
 def rss(args: argparse.Namespace) -> None:

@@ -4,14 +4,12 @@ The log keeps a trace's accesses as int ids (the native one: int32 arrays, ~4
 bytes an access) instead of every request's keys, and runs Belady's MIN over
 them. Its figures must be those of the implementation it replaced, which ran
 ``traces.optimum.optimum_hits`` over a list of every request's keys, once per
-tier (``reference_tier_hits`` below, kept verbatim): on the bundled sample, on
+tier (``traces.optimum.tier_optimum_hits``): on the bundled sample, on
 random traces (repeated keys within a request, mixed key types, tiny
 capacities), native and Python logs alike.
 """
 
 from __future__ import annotations
-
-from collections.abc import Hashable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -25,32 +23,15 @@ from kvflow.headroom import (
     tier_hits,
 )
 from traces import open_trace, sample_path
-from traces.optimum import optimum_hits
+from traces.optimum import optimum_hits, tier_optimum_hits
 
 NATIVE = _native_log()
 KINDS = [False] + ([True] if NATIVE is not None else [])
 
 
-def reference_tier_hits(requests: Sequence[Sequence[Hashable]],
-                        capacities: Sequence[int]) -> list[int]:
-    """``kvflow.headroom.tier_hits`` before the access log (main at aff78da)."""
-    dev = capacities[0]
-    out: list[int] = []
-    total = prev = 0
-    for t in range(3):
-        if capacities[t] <= 0:
-            out.append(0)
-            continue
-        total += capacities[t]
-        h = optimum_hits(requests, total, truncate=dev)
-        out.append(h - prev)
-        prev = h
-    return out
-
-
 def reference_rates(requests, capacities):
     blocks = sum(len(r) for r in requests)
-    hits = reference_tier_hits(requests, capacities)
+    hits = tier_optimum_hits(requests, capacities)
     d = {n: h / blocks for n, h in zip(("device", "host", "storage"), hits, strict=True)}
     d["total"] = sum(hits) / blocks
     return d
@@ -66,7 +47,7 @@ def sample() -> list[list[int]]:
                                   (5, 0, 40)])
 def test_sample_figures_equal_the_list_implementation(sample, caps, native):
     log = record_accesses(iter(sample), caps[0], native=native)
-    assert tier_hits(log, caps) == reference_tier_hits(sample, caps)
+    assert tier_hits(log, caps) == tier_optimum_hits(sample, caps)
     assert log.blocks == sum(map(len, sample))
 
 
@@ -90,7 +71,7 @@ requests_ = st.lists(st.lists(keys_, max_size=7), max_size=25)
 def test_random_traces_give_the_same_hits(native, reqs, dev, host, storage):
     caps = (dev, host, storage)
     log = record_accesses(reqs, dev, native=native)
-    assert tier_hits(log, caps) == reference_tier_hits(reqs, caps)
+    assert tier_hits(log, caps) == tier_optimum_hits(reqs, caps)
     for c in range(max(dev, 0), dev + 6):
         assert log.hits(c) == optimum_hits(reqs, c, truncate=dev)
 

@@ -119,3 +119,24 @@ def optimum_curve(requests: Sequence[Sequence[Hashable]], capacities: Sequence[i
         out.append((c, h))
         reached = ceiling is not None and h >= ceiling
     return out
+
+
+def tier_optimum_hits(requests: Sequence[Sequence[Hashable]],
+                      capacities: Sequence[int]) -> list[int]:
+    """Blocks the optimum serves from each of three exclusive tiers (device, host,
+    storage): one ``optimum_hits`` run per tier over the stacked capacities, each
+    request cut to the device's capacity. The straightforward form, one full run per
+    tier over every request's keys: ``kvflow.headroom.tier_hits`` gives the same figures
+    from a compact access log, and is checked against this."""
+    dev = capacities[0]
+    out: list[int] = []
+    total = prev = 0
+    for cap in capacities[:3]:
+        if cap <= 0:
+            out.append(0)
+            continue
+        total += cap
+        h = optimum_hits(requests, total, truncate=dev)
+        out.append(h - prev)
+        prev = h
+    return out
