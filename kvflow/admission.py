@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from kvflow.errors import NotEnoughBlocks
-from kvflow.plans import OpKind
+from kvflow.plans import OpKind, Plan
 from kvflow.radix import Tier
 from kvflow.request_state import RequestState
 
@@ -79,12 +79,7 @@ class AdmissionMixin:
             st.shared = [t for t in map(self.runtime.task_of, plan.shared)
                          if t is not None and t.op.plan is not None]
             st.tasks += st.shared
-            new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
-            st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
-            self.stats.admitted += 1
-            self._seq += 1
-            st.seq = self._seq
-            self.running[st] = None
+            self._enter_running(st, plan)
             self._prefilling[st] = None
             if self.prefetch_policy.name == "timeout" and any(
                     not t.finished for t in st.prefetch):
@@ -95,6 +90,16 @@ class AdmissionMixin:
                 st.ready = True
             if self.on_admit is not None:
                 self.on_admit(st)
+
+    def _enter_running(self, st: RequestState, plan: Plan) -> None:
+        """An admitted request joins the running set (in admission order), its new
+        device blocks read only after the copies still reading them (evictions)."""
+        new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
+        st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
+        self.stats.admitted += 1
+        self._seq += 1
+        st.seq = self._seq
+        self.running[st] = None
 
     def _drop_reservations(self) -> bool:
         """Release what waiting requests hold for their prefetch; True if any was held.

@@ -32,8 +32,6 @@ import asyncio
 import math
 from typing import TYPE_CHECKING
 
-from kvflow.radix import Tier
-
 if TYPE_CHECKING:
     from kvflow.engine import Engine, EngineRequest, RequestState
 
@@ -86,12 +84,7 @@ class HandoverMixin:
         st.prefilled = st.req.input_len  # once landed; held until then
         # Copy-outs of what its new blocks held before (evictions) must read first.
         st.tasks = self.runtime.submit_all(plan.ops)
-        new_ids = plan.device_ids[plan.num_cached:] + plan.extra_ids
-        st.tasks += self.runtime.pending_readers(Tier.DEVICE, new_ids)
-        self.stats.admitted += 1
-        self._seq += 1
-        st.seq = self._seq
-        self.running[st] = None
+        self._enter_running(st, plan)
         if self.on_admit is not None:
             self.on_admit(st)
 
