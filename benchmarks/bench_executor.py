@@ -10,7 +10,8 @@ events on the executor's stream (median of ``--reps`` after a warm-up):
            CuPy has ``cupy.bfloat16``, else fp16); fraction of the dense bf16 peak
   prefill  causal attention of one prompt of 1k..8k tokens (all 32 heads, KV
            read through 16- or 32-token blocks), FLOPs = 4 * heads * head_dim *
-           n^2 / 2; fraction of the peak; every fast prefill kernel variant
+           n^2 / 2; fraction of the peak; every fast prefill kernel variant, each
+           checked against the exact kernel's output (relative L2 error)
   decode   32 sequences x 4k context, one token each: split-K attention plus the
            combine; bytes = the K and V read; fraction of HBM bandwidth; the fast
            kernel at fixed splits and at its automatic one
@@ -173,21 +174,38 @@ def bench_prefill(cp: Any, exs: dict[str, GpuExecutor], shape: ModelShape, reps:
         assert isinstance(fast, FastExecutor)
         chosen = fast.prefill
         runs = [("exact", exs["exact"], None), *[(f"fast {v}", fast, v) for v in PREFILL_VARIANTS]]
+        ref = None
         for label, ex, variant in runs:
-            if variant is not None:
-                fast.use_prefill(variant)
-            plan = ex._build(items)
-            meta = ex._upload(plan)
-            fill_qkv(cp, ex, n)
-            t = gpu_seconds(cp, ex.stream, lambda ex=ex, plan=plan, meta=meta:
-                            ex._attend(plan, meta, 0), reps)
-            row[label] = {"s": t, "tflops": flops / t / 1e12, "of_peak": flops / t / peak}
+            try:
+                if variant is not None:
+                    fast.use_prefill(variant)
+                plan = ex._build(items)
+                meta = ex._upload(plan)
+                fill_qkv(cp, ex, n)
+                ex._o[:n] = 0
+                t = gpu_seconds(cp, ex.stream, lambda ex=ex, plan=plan, meta=meta:
+                                ex._attend(plan, meta, 0), reps)
+            except Exception as exc:  # one kernel failing leaves the others measured
+                row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                print(f"  prefill n={n} {label}: {row[label]['error']}", flush=True)
+                continue
+            # attention check: this kernel's output against the exact kernel's (the same
+            # Q, K, V), relative L2 error over all rows and heads
+            got = (ex._o[:n].astype(cp.uint32) << 16).view(cp.float32)
+            if ref is None:
+                ref = got.copy()
+            err = float(cp.linalg.norm(got - ref) / cp.linalg.norm(ref))
+            if not np.isfinite(err):
+                err = float("inf")
+            row[label] = {"s": t, "tflops": flops / t / 1e12, "of_peak": flops / t / peak,
+                          "rel_err": err}
         fast.use_prefill(chosen)
         row["fast"] = row[f"fast {chosen}"]
         row["ratio"] = row["exact"]["s"] / row["fast"]["s"]
         out.append(row)
         print(f"  prefill n={n} (block {bt}): " + ", ".join(
-            f"{k} {row[k]['of_peak']:.3f}" for k, _, _ in runs) + " of peak", flush=True)
+            f"{k} {row[k]['of_peak']:.3f} (err {row[k]['rel_err']:.1e})"
+            for k, _, _ in runs if "s" in row[k]) + " of peak", flush=True)
     return out
 
 
@@ -374,8 +392,12 @@ def report(r: dict[str, Any], bts: list[int]) -> str:
                       "|---" * (len(cols) + 2) + "|"]
             for p in res["prefill"]:
                 lines.append(f"| {p['tokens']} | " + " | ".join(
-                    f"{p[c]['of_peak']:.3f} ({p[c]['tflops']:.0f})" for c in cols)
-                    + f" | {p['ratio']:.2f}x |")
+                    f"{p[c]['of_peak']:.3f} ({p[c]['tflops']:.0f})" if "s" in p[c] else "error"
+                    for c in cols) + f" | {p['ratio']:.2f}x |")
+            lines += ["", "Attention check: relative L2 error of each kernel's output against "
+                      "the exact kernel's (same Q, K, V), worst over the sizes: " + ", ".join(
+                          f"{c} {max(p[c].get('rel_err', np.inf) for p in res['prefill']):.1e}"
+                          for c in cols[:-1])]
         d = res.get("decode")
         if d is not None:
             lines += ["", f"Decode attention, {d['sequences']} x {d['context']} context, {bt}-"

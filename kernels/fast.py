@@ -12,8 +12,10 @@ and step metadata with:
   in, fp32 accumulate; the residual projections accumulate straight into the
   fp32 hidden state with beta = 1, as the exact kernels' mode 1 does);
 * a paged causal GQA prefill attention kernel in the FlashAttention-2 style
-  and a split-K paged decode kernel (``fast.cu``), whose splits are merged by
-  ``compute.cu``'s combine kernel;
+  (``fast.cu``, ``mma.sync``) or, on Hopper, the FlashAttention-3 style
+  (``fast_wg.cu``: ``wgmma``, producer / consumer warpgroups over mbarriers,
+  compiled for sm_90a), and a split-K paged decode kernel (``fast.cu``), whose
+  splits are merged by ``compute.cu``'s combine kernel;
 * everything else (embedding, RMSNorm, KV write, SiLU, final row) as the exact
   executor, on the same compute stream behind the same per-layer device-side
   waits (``CudaBackend.wait_layer`` before layer i writes or reads KV).
@@ -26,13 +28,18 @@ from ``ReplayConfig.executor`` (``kvflow replay --executor``) through
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import shutil
+import subprocess
 import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kernels._cuda import load_module
+from kernels._cuda import SOURCE_DIR, cupy_module, load_module
 from kernels.backend import CudaBackend
 from kernels.compute import _LOG2E, GpuExecutor, _env_choice
 from kernels.model import DECODE_SPLIT, TILE, StepItem, StepPlan, build_step
@@ -57,6 +64,15 @@ PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
                     "w4m2n32o": (4, 2, 32, 2, 1), "w4m2n32s3o": (4, 2, 32, 3, 1),
                     "w4m2n64q": (4, 2, 64, 2, 3), "w4m2n32q": (4, 2, 32, 2, 3),
                     "w8m2n64q": (8, 2, 64, 2, 3)}
+#: Hopper (sm_90a) prefill kernels of fast_wg.cu by name: (keys a K/V tile, stages). A CTA
+#: is 3 warpgroups (a producer, two consumers of 64 query rows each): a work item is 128 rows.
+WG_PREFILL_VARIANTS = {"wg128s2": (128, 2), "wg128s3": (128, 3), "wg64s2": (64, 2),
+                       "wg64s3": (64, 3)}
+for _name, (_keys, _stages) in WG_PREFILL_VARIANTS.items():
+    # (warps, m-tiles of 16 rows a consumer warp, keys, stages, opt bit 2: wgmma kernel)
+    PREFILL_VARIANTS[_name] = (12, 1, _keys, _stages, 4)
+#: Rows a work item of a wgmma kernel: two consumer warpgroups of 64 rows.
+_WG_ROWS = 128
 #: w4m2n64q (Q in shared memory, 64-key tiles): 0.298 / 0.318 of the peak at 8k (16- /
 #: 32-token blocks) against w4m2n32o's 0.289 / 0.297, 3-12% faster at every size measured,
 #: head dims 64 and 128 checked against the reference on the H100 (2026-11-25).
@@ -76,6 +92,67 @@ def make_executor(kind: str, backend: CudaBackend, **kwargs: Any) -> GpuExecutor
     if kind == "exact":
         return GpuExecutor(backend, **kwargs)
     raise ConfigError(f"unknown executor {kind!r}; valid: {', '.join(EXECUTORS)}")
+
+
+@functools.cache
+def load_sm90a_module(filename: str, device: int) -> Any:
+    """Compile ``filename`` for sm_90a (``wgmma`` and ``setmaxnreg`` need the arch-specific
+    target, which CuPy's ``RawModule`` does not pass) and load it, once.
+
+    NVRTC through CuPy's bindings, else ``nvcc`` where NVRTC fails; the cubin goes to
+    CuPy's kernel cache directory under a name hashed from source and options.
+    """
+    cp = cupy_module()
+    code = (SOURCE_DIR / filename).read_text()
+    opts = ("-std=c++17", f"-I{SOURCE_DIR}", "-arch=sm_90a")
+    key = hashlib.sha256((code + "\0".join(opts)).encode()).hexdigest()[:24]
+    cache = Path(cp.cuda.compiler.get_cache_dir())
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / f"kvflow_{Path(filename).stem}_{key}.cubin"
+    if not path.exists():
+        errors = []
+        try:
+            cubin = _nvrtc_cubin(code, filename, opts)
+        except Exception as exc:  # NVRTC missing or too old: nvcc next
+            errors.append(f"nvrtc: {exc}")
+            cubin = _nvcc_cubin(filename, errors)
+        tmp = path.with_suffix(f".{id(cubin)}.tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    with cp.cuda.Device(device):
+        return cp.RawModule(path=str(path))
+
+
+def _nvrtc_cubin(code: str, filename: str, opts: tuple[str, ...]) -> bytes:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(code, filename, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(opts))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{exc}\n{nvrtc.getProgramLog(prog)}") from exc
+        return bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _nvcc_cubin(filename: str, errors: list[str]) -> bytes:
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise ConfigError(f"cannot compile {filename} for sm_90a: " + "; ".join(errors)
+                          + "; nvcc: not on PATH")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "k.cubin"
+        proc = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a",
+                               "-std=c++17", f"-I{SOURCE_DIR}", str(SOURCE_DIR / filename),
+                               "-o", str(out)], capture_output=True, text=True)
+        if proc.returncode:
+            raise ConfigError(f"cannot compile {filename} for sm_90a: " + "; ".join(errors)
+                              + f"; nvcc: {proc.stderr[-2000:]}")
+        return out.read_bytes()
 
 
 def auto_decode_split(contexts: Sequence[int], kv_heads: int, sms: int) -> int:
@@ -173,6 +250,9 @@ class FastExecutor(GpuExecutor):
         if name not in PREFILL_VARIANTS:
             raise ConfigError(f"unknown prefill kernel {name!r}; valid: "
                               f"{', '.join(PREFILL_VARIANTS)}")
+        if name in WG_PREFILL_VARIANTS:
+            self._use_wg_prefill(name)
+            return
         warps, mtiles, keys, stages, opt = PREFILL_VARIANTS[name]
         hd = self.shape.head_dim
         with self._cp.cuda.Device(self.device):
@@ -185,6 +265,22 @@ class FastExecutor(GpuExecutor):
         self._fn["fast_prefill"], self._smem_prefill = fn, smem
         self.prefill, self.prefill_threads = name, 32 * warps
         self.prefill_rows = 16 * warps * mtiles
+
+    def _use_wg_prefill(self, name: str) -> None:
+        keys, stages = WG_PREFILL_VARIANTS[name]
+        hd = self.shape.head_dim
+        cc = self._cp.cuda.Device(self.device).compute_capability
+        if cc != "90":
+            raise ConfigError(f"prefill kernel {name!r} needs a Hopper GPU (sm_90a), "
+                              f"this one is sm_{cc}")
+        with self._cp.cuda.Device(self.device):
+            fn = load_sm90a_module("fast_wg.cu", self.device).get_function(
+                f"kvflow_wg_prefill_hd{hd}_n{keys}_s{stages}")
+            # Q of both consumers, K and V stages, the mbarriers, 1 KB to align to 1024 bytes
+            smem = 1024 + 2 * 64 * hd * 2 + stages * 2 * keys * hd * 2 + 16 * stages
+            fn.max_dynamic_shared_size_bytes = smem
+        self._fn["fast_prefill"], self._smem_prefill = fn, smem
+        self.prefill, self.prefill_threads, self.prefill_rows = name, 384, _WG_ROWS
 
     # ------------------------------------------------------------------ step layout
     def decode_split_for(self, items: Sequence[StepItem]) -> int:

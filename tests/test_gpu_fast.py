@@ -32,7 +32,13 @@ from test_gpu_engine import (
 )
 
 from kernels import gpu_unavailable_reason
-from kernels.fast import EXECUTORS, PREFILL_VARIANTS, auto_decode_split, make_executor
+from kernels.fast import (
+    EXECUTORS,
+    PREFILL_VARIANTS,
+    WG_PREFILL_VARIANTS,
+    auto_decode_split,
+    make_executor,
+)
 from kernels.model import (
     DECODE_SPLIT,
     ModelShape,
@@ -161,14 +167,20 @@ def _emitted(ex: Any, items: list[StepItem]) -> np.ndarray:
 @pytest.mark.parametrize(("spec", "prefill", "split"),
                          [(SPEC, "w8m1n64", None), (SPEC, "w4m2n32", 32),
                           (SPEC, "w4m2n32o", None), (SPEC, "w4m2n64q", None),
+                          (SPEC, "wg128s2", None), (SPEC, "wg64s3", None),
                           *[(SPEC128, v, None) for v in PREFILL_VARIANTS]],
                          ids=["hd64-w8m1n64", "hd64-w4m2n32-split32", "hd64-w4m2n32o",
-                              "hd64-w4m2n64q",
+                              "hd64-w4m2n64q", "hd64-wg128s2", "hd64-wg64s3",
                               *[f"hd128-{v}" for v in PREFILL_VARIANTS]])
 def test_fast_matches_numpy_reference(spec: ModelSpec, prefill: str, split: int | None) -> None:
     """Chunked prefills, a long-context decode split several ways, a mixed step: the fast
     executor's rows and the KV it wrote, against the float64 reference."""
+    import cupy as cp
+
     from kernels.backend import CudaBackend
+
+    if prefill in WG_PREFILL_VARIANTS and cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma prefill kernels need a Hopper GPU (sm_90a)")
 
     shape = ModelShape.from_spec(spec)
 
