@@ -66,11 +66,14 @@ PREFILL_VARIANTS = {"w8m1n64": (8, 1, 64, 2, 0), "w4m1n64": (4, 1, 64, 2, 0),
                     "w8m2n64q": (8, 2, 64, 2, 3)}
 #: Hopper (sm_90a) prefill kernels of fast_wg.cu by name: (keys a K/V tile, stages). A CTA
 #: is 3 warpgroups (a producer, two consumers of 64 query rows each): a work item is 128 rows.
-WG_PREFILL_VARIANTS = {"wg128s2": (128, 2), "wg128s3": (128, 3), "wg64s2": (64, 2),
-                       "wg64s3": (64, 3)}
-for _name, (_keys, _stages) in WG_PREFILL_VARIANTS.items():
-    # (warps, m-tiles of 16 rows a consumer warp, keys, stages, opt bit 2: wgmma kernel)
-    PREFILL_VARIANTS[_name] = (12, 1, _keys, _stages, 4)
+#: "v" names: FlashAttention-3's intra-warpgroup overlap (the softmax of tile j + 1 runs
+#: while P V of tile j is on the tensor cores).
+WG_PREFILL_VARIANTS = {"wg128s2": (128, 2, 0), "wg128s3": (128, 3, 0), "wg64s3": (64, 3, 0),
+                       "wg128s3v": (128, 3, 1), "wg64s3v": (64, 3, 1)}
+for _name, (_keys, _stages, _ov) in WG_PREFILL_VARIANTS.items():
+    # (warps, m-tiles of 16 rows a consumer warp, keys, stages, opt bit 2: wgmma kernel,
+    # bit 3: overlap)
+    PREFILL_VARIANTS[_name] = (12, 1, _keys, _stages, 4 | 8 * _ov)
 #: Rows a work item of a wgmma kernel: two consumer warpgroups of 64 rows.
 _WG_ROWS = 128
 #: w4m2n64q (Q in shared memory, 64-key tiles): 0.298 / 0.318 of the peak at 8k (16- /
@@ -267,7 +270,7 @@ class FastExecutor(GpuExecutor):
         self.prefill_rows = 16 * warps * mtiles
 
     def _use_wg_prefill(self, name: str) -> None:
-        keys, stages = WG_PREFILL_VARIANTS[name]
+        keys, stages, overlap = WG_PREFILL_VARIANTS[name]
         hd = self.shape.head_dim
         cc = self._cp.cuda.Device(self.device).compute_capability
         if cc != "90":
@@ -275,7 +278,7 @@ class FastExecutor(GpuExecutor):
                               f"this one is sm_{cc}")
         with self._cp.cuda.Device(self.device):
             fn = load_sm90a_module("fast_wg.cu", self.device).get_function(
-                f"kvflow_wg_prefill_hd{hd}_n{keys}_s{stages}")
+                f"kvflow_wg_prefill_hd{hd}_n{keys}_s{stages}_v{overlap}")
             # Q of both consumers, K and V stages, the mbarriers, 1 KB to align to 1024 bytes
             smem = 1024 + 2 * 64 * hd * 2 + stages * 2 * keys * hd * 2 + 16 * stages
             fn.max_dynamic_shared_size_bytes = smem

@@ -162,7 +162,7 @@ __device__ __forceinline__ void wgmma_rs_n128_mn(float (&d)[64], const u32 (&a)[
 // --------------------------------------------------------------------------- prefill
 // CTA (query head, work item); work: int4 per item (row0, nrows <= 128, qpos0, table
 // offset), as fast.cu. Threads 0-127 produce, 128-255 and 256-383 own rows 0-63 and 64-127.
-template <int HD, int BN, int ST>
+template <int HD, int BN, int ST, bool OV>
 __device__ __forceinline__ void prefill_wg(const u64 qkv_addr, const int ld, const u64 kc_addr,
                                            const u64 vc_addr, const i64 block_stride,
                                            const int bt, const int kv_heads, const int group,
@@ -267,19 +267,21 @@ __device__ __forceinline__ void prefill_wg(const u64 qkv_addr, const int ld, con
         }
       }
     };
-    auto issue_pv = [&](int j) {  // O += P V (tile j)
+    auto issue_pv = [&](int j, const u32 (&pf)[BN / 16][4]) {  // O += P V (tile j)
       const u32 vb = v_s + (j % ST) * T_BYTES;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         const u64 db = desc(vb + kk * 2048, BN * 128, 1024);
         if constexpr (HD == 128) {
-          wgmma_rs_n128_mn(o, p[kk], db);
+          wgmma_rs_n128_mn(o, pf[kk], db);
         } else {
-          wgmma_rs_n64_mn(o, p[kk], db);
+          wgmma_rs_n64_mn(o, pf[kk], db);
         }
       }
     };
-    auto softmax = [&](int j) {  // S -> P (bf16 fragments), m, l, O rescaled
+    // S (tile j) -> P as bf16 fragments in `pf`; m and l updated; alpha: the factor O must
+    // be rescaled by (left to the caller: O may still be in a wgmma's hands).
+    auto softmax = [&](int j, u32 (&pf)[BN / 16][4], float (&alpha)[2]) {
       const int k0 = j * BN;
       if (k0 + BN - 1 > wg_first) {  // the tile crosses this warpgroup's diagonal: mask
 #pragma unroll
@@ -291,7 +293,7 @@ __device__ __forceinline__ void prefill_wg(const u64 qkv_addr, const int ld, con
       float mx[2] = {neg_inf(), neg_inf()};
 #pragma unroll
       for (int i = 0; i < NS; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
-      float bias[2], alpha[2], sum[2] = {0.f, 0.f};
+      float bias[2], sum[2] = {0.f, 0.f};
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
         mx[hi] = fmaxf(mx[hi], __shfl_xor_sync(0xffffffffu, mx[hi], 1));
@@ -309,52 +311,110 @@ __device__ __forceinline__ void prefill_wg(const u64 qkv_addr, const int ld, con
       l[0] = l[0] * alpha[0] + sum[0];
       l[1] = l[1] * alpha[1] + sum[1];
 #pragma unroll
-      for (int i = 0; i < NO; ++i) o[i] *= alpha[(i >> 1) & 1];
-#pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        p[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
-        p[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        p[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
-        p[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+        pf[kk][0] = pack_bf16(s[8 * kk + 0], s[8 * kk + 1]);
+        pf[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pf[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]);
+        pf[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
       }
     };
+    auto rescale = [&](const float (&alpha)[2]) {
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[i] *= alpha[(i >> 1) & 1];
+    };
+    auto release = [&](int j) {  // this warp is done with tile j's stage
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * (j % ST));
+    };
+    auto wait_tile = [&](int j) {
+      mbar_wait(full + 8 * (j % ST), (j / ST) & 1);
+      fence_async_smem();
+    };
 
-    mbar_wait(full, 0);
-    fence_async_smem();
+    float alpha[2];
+    wait_tile(0);
     reg_fence(s);
     wg_fence();
     issue_qk(0);
     wg_commit();
     wg_wait<0>();
     reg_fence(s);
-    softmax(0);
-    for (int j = 0; j < nt; ++j) {
-      reg_fence(o);
-      wg_fence();
-      issue_pv(j);
-      wg_commit();
-      if (j + 1 < nt) {  // Q K^T of the next tile right behind P V: no gap between them
-        const int sn = (j + 1) % ST;
-        mbar_wait(full + 8 * sn, ((j + 1) / ST) & 1);
-        fence_async_smem();
-        wg_fence();  // softmax wrote S's registers since the last fence
+    softmax(0, p, alpha);  // O is zero: no rescale
+    if constexpr (!OV) {
+      // P V of tile j, then Q K^T of tile j + 1 right behind it; softmax after both.
+      for (int j = 0; j < nt; ++j) {
+        reg_fence(o);
+        wg_fence();
+        issue_pv(j, p);
+        wg_commit();
+        if (j + 1 < nt) {
+          wait_tile(j + 1);
+          wg_fence();  // softmax wrote S's registers since the last fence
+          issue_qk(j + 1);
+          wg_commit();
+          wg_wait<1>();  // P V of tile j done (groups complete in order)
+        } else {
+          wg_wait<0>();
+        }
+        release(j);
+        wg_wait<0>();
+        reg_fence(o);
+        reg_fence(s);
+        if (j + 1 < nt) {
+          softmax(j + 1, p, alpha);
+          rescale(alpha);
+        }
+      }
+    } else {
+      // FlashAttention-3's intra-warpgroup overlap: Q K^T of tile j + 1 first, then P V of
+      // tile j; the softmax of tile j + 1 runs while P V of tile j is on the tensor cores
+      // (P double-buffered; O rescaled once P V is done).
+      u32 pn[BN / 16][4];
+      // P V of tile j reads pc; the softmax of tile j + 1 writes pnx (the loop runs two
+      // tiles a turn, swapping them, so that no register copy sits in the pipeline). The
+      // last tile is peeled: a Q K^T issued under a condition would leave ptxas unsure
+      // which group wait_group 1 retires, and it would serialise the wgmma (C7514).
+      auto step = [&](int j, const u32 (&pc)[BN / 16][4], u32 (&pnx)[BN / 16][4]) {
+        wait_tile(j + 1);  // (j + 1 < nt)
+        reg_fence(o);
+        reg_fence(s);
+        wg_fence();
         issue_qk(j + 1);
         wg_commit();
-        wg_wait<1>();  // P V of tile j done (groups complete in order): release its stage
-      } else {
+        issue_pv(j, pc);
+        wg_commit();
+        wg_wait<1>();  // Q K^T of tile j + 1 done; P V of tile j may still run
+        reg_fence(s);
+        softmax(j + 1, pnx, alpha);
         wg_wait<0>();
+        reg_fence(o);
+        release(j);
+        rescale(alpha);
+      };
+      auto last_step = [&](int j, const u32 (&pc)[BN / 16][4]) {
+        reg_fence(o);
+        wg_fence();
+        issue_pv(j, pc);
+        wg_commit();
+        wg_wait<0>();
+        reg_fence(o);
+        release(j);
+      };
+      int j = 0;
+      for (; j + 2 < nt; j += 2) {
+        step(j, p, pn);
+        step(j + 1, pn, p);
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + 8 * (j % ST));
-      wg_wait<0>();
-      reg_fence(o);
-      reg_fence(s);
-      if (j + 1 < nt) softmax(j + 1);
+      if (j + 1 < nt) {
+        step(j, p, pn);
+        last_step(j + 1, pn);
+      } else {
+        last_step(j, p);
+      }
     }
     for (int j = nt; j < ntiles; ++j) {  // tiles past this warpgroup's rows: release them
       mbar_wait(full + 8 * (j % ST), (j / ST) & 1);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty + 8 * (j % ST));
+      release(j);
     }
     u16* out = reinterpret_cast<u16*>(out_addr);
     const int qdim = kv_heads * group * HD;
@@ -382,26 +442,28 @@ __device__ __forceinline__ void prefill_wg(const u64 qkv_addr, const int ld, con
 
 // ---------------------------------------------------------------------- entry points
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define KVFLOW_WG_BODY(HD, BN, ST)                                                            \
-  prefill_wg<HD, BN, ST>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables,    \
-                         out, scale);
+#define KVFLOW_WG_BODY(HD, BN, ST, OV)                                                        \
+  prefill_wg<HD, BN, ST, OV>(qkv, ld, kc, vc, block_stride, bt, kv_heads, group, work, tables, \
+                             out, scale);
 #else
-#define KVFLOW_WG_BODY(HD, BN, ST) __trap();
+#define KVFLOW_WG_BODY(HD, BN, ST, OV) __trap();
 #endif
 
-// (HD, keys a tile, stages): kernels/fast.py's PREFILL_VARIANTS named wg...
-#define KVFLOW_WG_PREFILL(HD, BN, ST)                                                         \
-  extern "C" __global__ void __launch_bounds__(384, 1) kvflow_wg_prefill_hd##HD##_n##BN##_s##ST( \
-      const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,         \
-      const int bt, const int kv_heads, const int group, const u64 work, const u64 tables,     \
-      const u64 out, const float scale) {                                                      \
-    KVFLOW_WG_BODY(HD, BN, ST)                                                                 \
+// (HD, keys a tile, stages, overlap): kernels/fast.py's WG_PREFILL_VARIANTS
+#define KVFLOW_WG_PREFILL(HD, BN, ST, OV)                                                     \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                        \
+      kvflow_wg_prefill_hd##HD##_n##BN##_s##ST##_v##OV(                                       \
+          const u64 qkv, const int ld, const u64 kc, const u64 vc, const i64 block_stride,     \
+          const int bt, const int kv_heads, const int group, const u64 work,                   \
+          const u64 tables, const u64 out, const float scale) {                                \
+    KVFLOW_WG_BODY(HD, BN, ST, OV)                                                             \
   }
 
-#define KVFLOW_WG_PREFILL_ALL(HD) \
-  KVFLOW_WG_PREFILL(HD, 128, 2)   \
-  KVFLOW_WG_PREFILL(HD, 128, 3)   \
-  KVFLOW_WG_PREFILL(HD, 64, 2)    \
-  KVFLOW_WG_PREFILL(HD, 64, 3)
+#define KVFLOW_WG_PREFILL_ALL(HD)   \
+  KVFLOW_WG_PREFILL(HD, 128, 2, 0)  \
+  KVFLOW_WG_PREFILL(HD, 128, 3, 0)  \
+  KVFLOW_WG_PREFILL(HD, 64, 3, 0)   \
+  KVFLOW_WG_PREFILL(HD, 128, 3, 1)  \
+  KVFLOW_WG_PREFILL(HD, 64, 3, 1)
 KVFLOW_WG_PREFILL_ALL(64)
 KVFLOW_WG_PREFILL_ALL(128)

@@ -45,9 +45,9 @@ def test_swap_kernel_does_not_spill(tmp_path: Path) -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not on PATH")
 def test_wgmma_prefill_builds_for_sm90a_without_spills_or_serialised_wgmma(
         tmp_path: Path) -> None:
-    """fast_wg.cu for sm_90a: every kernel assembles with no spill, and ptxas does not
-    serialise the wgmma (C7520, e.g. a wgmma under a branch it cannot prove warp-uniform),
-    which would cost most of what the warpgroup MMA is for."""
+    """fast_wg.cu for sm_90a: every kernel assembles with no spill, and ptxas neither
+    ignores setmaxnreg nor serialises the wgmma, which would cost most of what the
+    warpgroup MMA is for."""
     proc = subprocess.run(
         ["nvcc", "-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17",
          f"-I{SOURCE_DIR}", "-Xptxas", "-v", str(SOURCE_DIR / "fast_wg.cu"),
@@ -58,7 +58,10 @@ def test_wgmma_prefill_builds_for_sm90a_without_spills_or_serialised_wgmma(
     entries = proc.stderr.count("Compiling entry function")
     assert entries >= 6, proc.stderr
     assert proc.stderr.count("0 bytes spill stores") == entries, proc.stderr
-    assert "C7520" not in proc.stderr and "C7508" not in proc.stderr, proc.stderr
+    # C7508: setmaxnreg ignored; C7512/C7514/C7520: wgmma serialised (a register limit, an
+    # accumulator read inside the pipeline, a branch not known to be warp-uniform)
+    for code in ("C7508", "C7512", "C7514", "C7520"):
+        assert code not in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) is not on PATH")
