@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import shutil
 import subprocess
+import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -103,13 +105,14 @@ def load_sm90a_module(filename: str, device: int) -> Any:
     target, which CuPy's ``RawModule`` does not pass) and load it, once.
 
     NVRTC through CuPy's bindings, else ``nvcc`` where NVRTC fails; the cubin goes to
-    CuPy's kernel cache directory under a name hashed from source and options.
+    CuPy's kernel cache directory (``CUPY_CACHE_DIR``, else ``~/.cupy/kernel_cache``) under
+    a name hashed from source and options.
     """
     cp = cupy_module()
     code = (SOURCE_DIR / filename).read_text()
     opts = ("-std=c++17", f"-I{SOURCE_DIR}", "-arch=sm_90a")
     key = hashlib.sha256((code + "\0".join(opts)).encode()).hexdigest()[:24]
-    cache = Path(cp.cuda.compiler.get_cache_dir())
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / f"kvflow_{Path(filename).stem}_{key}.cubin"
     if not path.exists():
@@ -145,8 +148,6 @@ def _nvcc_cubin(filename: str, errors: list[str]) -> bytes:
     if nvcc is None:
         raise ConfigError(f"cannot compile {filename} for sm_90a: " + "; ".join(errors)
                           + "; nvcc: not on PATH")
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "k.cubin"
         proc = subprocess.run([nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a",

@@ -64,15 +64,25 @@ __device__ __forceinline__ void mbar_arrive(u32 bar) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n"
                :: "r"(bar) : "memory");
 }
-// Blocks until the phase of parity `parity` has completed.
+// Blocks until the phase of parity `parity` has completed. A wait that never ends is a bug
+// in the pipeline: after ~16M polls the kernel traps (an error the host sees) instead of
+// hanging the GPU. (In PTX: a C++ loop or a call around it costs the consumers registers
+// and serialises their wgmma.)
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
   asm volatile(
-      "{\n.reg .pred done;\n"
+      "{\n.reg .pred done, late;\n.reg .u32 n;\n"
+      "mov.u32 n, 0;\n"
       "WAIT_%=:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n"
+      "@done bra DONE_%=;\n"
+      "add.u32 n, n, 1;\n"
+      "setp.gt.u32 late, n, 16777216;\n"
+      "@late trap;\n"
+      "bra WAIT_%=;\n"
+      "DONE_%=:\n}\n"
       :: "r"(bar), "r"(parity) : "memory");
 }
+
 // The barrier gets one arrival when all of this thread's earlier cp.async copies landed.
 __device__ __forceinline__ void cp_async_arrive(u32 bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
