@@ -43,7 +43,7 @@ import numpy as np
 from kernels._cuda import cupy_module
 from kernels.backend import CudaBackend
 from kernels.compute import GpuExecutor, to_bf16
-from kernels.fast import DEFAULT_PREFILL, PREFILL_VARIANTS, FastExecutor
+from kernels.fast import PREFILL_VARIANTS, FastExecutor
 from kernels.model import ModelShape, StepItem, prompt_tokens
 from kvflow.layout import preset
 
@@ -331,7 +331,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fill_kv(cp, backend)
         exact = GpuExecutor(backend, seed=0, max_tokens=8192 + 64, record_rows=True)
         fast = FastExecutor(backend, seed=0, max_tokens=8192 + 64, record_rows=True,
-                            weights=exact.weights)
+                            weights=exact.weights, prefill=args.prefill)
+        chosen = result["prefill"] = fast.prefill
         asyncio.run(exact.warm_up(block=blocks - 1))
         asyncio.run(fast.warm_up(block=blocks - 1))
         exs: dict[str, GpuExecutor] = {"fast": fast, "exact": exact}
@@ -339,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for v in PREFILL_VARIANTS:
             fast.use_prefill(v)
             res["kernels"][v] = fast.kernel_info()["fast_prefill"]
-        fast.use_prefill(args.prefill)
+        fast.use_prefill(chosen)
         res["kernels"]["decode"] = fast.kernel_info()["fast_decode"]
         print(f"  kernels (block {bt}): {res['kernels']}", flush=True)
         want = set(args.sections.split(","))
@@ -437,8 +438,9 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.4)
     ap.add_argument("--hbm-tbps", type=float, default=3.35)
     ap.add_argument("--quick", action="store_true", help="fewer sizes")
-    ap.add_argument("--prefill", default=DEFAULT_PREFILL, choices=list(PREFILL_VARIANTS),
-                    help="the fast executor's prefill kernel in the steps and agreement")
+    ap.add_argument("--prefill", default=None, choices=list(PREFILL_VARIANTS),
+                    help="the fast executor's prefill kernel in the steps and agreement "
+                         "(default: the executor's own choice for this GPU)")
     ap.add_argument("--sections", default="gemm,prefill,decode,steps,agree",
                     help="comma-separated parts to run")
     ap.add_argument("--json", default=None)

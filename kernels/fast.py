@@ -12,10 +12,10 @@ and step metadata with:
   in, fp32 accumulate; the residual projections accumulate straight into the
   fp32 hidden state with beta = 1, as the exact kernels' mode 1 does);
 * a paged causal GQA prefill attention kernel in the FlashAttention-2 style
-  (``fast.cu``, ``mma.sync``) or, on Hopper, the FlashAttention-3 style
-  (``fast_wg.cu``: ``wgmma``, producer / consumer warpgroups over mbarriers,
-  compiled for sm_90a), and a split-K paged decode kernel (``fast.cu``), whose
-  splits are merged by ``compute.cu``'s combine kernel;
+  (``fast.cu``, ``mma.sync``) or, on Hopper and by default there, the
+  FlashAttention-3 style (``fast_wg.cu``: ``wgmma``, producer / consumer
+  warpgroups over mbarriers, compiled for sm_90a), and a split-K paged decode
+  kernel (``fast.cu``), whose splits are merged by ``compute.cu``'s combine kernel;
 * everything else (embedding, RMSNorm, KV write, SiLU, final row) as the exact
   executor, on the same compute stream behind the same per-layer device-side
   waits (``CudaBackend.wait_layer`` before layer i writes or reads KV).
@@ -80,14 +80,26 @@ for _name, (_keys, _stages, _ov) in WG_PREFILL_VARIANTS.items():
 _WG_ROWS = 128
 #: w4m2n64q (Q in shared memory, 64-key tiles): 0.298 / 0.318 of the peak at 8k (16- /
 #: 32-token blocks) against w4m2n32o's 0.289 / 0.297, 3-12% faster at every size measured,
-#: head dims 64 and 128 checked against the reference on the H100 (2026-11-25).
+#: head dims 64 and 128 checked against the reference on the H100 (2026-11-25). The default
+#: where the GPU is not a Hopper one.
 DEFAULT_PREFILL = "w4m2n64q"
+#: The default on a Hopper GPU (compute capability 9.0): wg128s3 (wgmma, 128-key tiles,
+#: 3 stages) reached 0.425 / 0.430 of the peak at 8k (16- / 32-token blocks) against
+#: w4m2n64q's 0.315 / 0.320 on the H100 (2026-11-25), faster at every size from 1k, and
+#: passed the reference test at head dims 64 and 128.
+DEFAULT_PREFILL_HOPPER = "wg128s3"
 #: Keys per K/V tile of the decode kernel (16 per warp).
 _BN = 64
 _DECODE_WARPS, _DECODE_STAGES = 4, 3
 #: Decode splits: about this many CTAs per SM in a step, splits never shorter than this.
 _DECODE_CTAS_PER_SM = 8
 _MIN_DECODE_SPLIT = 256
+
+
+def default_prefill(compute_capability: str) -> str:
+    """The prefill kernel used unless one is named, for a GPU of ``compute_capability``
+    (CuPy's form, ``"90"``): the wgmma kernel on Hopper, which alone can run it."""
+    return DEFAULT_PREFILL_HOPPER if compute_capability == "90" else DEFAULT_PREFILL
 
 
 def make_executor(kind: str, backend: CudaBackend, **kwargs: Any) -> GpuExecutor:
@@ -219,7 +231,8 @@ class FastExecutor(GpuExecutor):
     """``GpuExecutor`` with cuBLAS GEMMs and FlashAttention-style paged attention.
 
     ``prefill``: which prefill kernel (``PREFILL_VARIANTS``; default
-    ``KVFLOW_FAST_PREFILL`` from the environment, else ``DEFAULT_PREFILL``;
+    ``KVFLOW_FAST_PREFILL`` from the environment, else ``default_prefill`` of the GPU:
+    ``DEFAULT_PREFILL_HOPPER`` on an H100 / H200, ``DEFAULT_PREFILL`` elsewhere;
     ``use_prefill`` changes it). ``decode_split``: keys per decode split; ``None`` sizes the
     splits per step so that the step's decode CTAs fill the GPU a few times
     over (long contexts of few sequences get more splits).
@@ -238,7 +251,8 @@ class FastExecutor(GpuExecutor):
         hd = self.shape.head_dim
         with cp.cuda.Device(self.device):
             self._mod = load_module("fast.cu", self.device)
-            self.use_prefill(prefill or _env_choice("KVFLOW_FAST_PREFILL", DEFAULT_PREFILL,
+            default = default_prefill(cp.cuda.Device(self.device).compute_capability)
+            self.use_prefill(prefill or _env_choice("KVFLOW_FAST_PREFILL", default,
                                                     tuple(PREFILL_VARIANTS)))
             dec = self._fn["fast_decode"] = self._mod.get_function(
                 f"kvflow_fast_decode_hd{hd}_w{_DECODE_WARPS}")

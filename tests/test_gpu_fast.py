@@ -37,6 +37,7 @@ from kernels.fast import (
     PREFILL_VARIANTS,
     WG_PREFILL_VARIANTS,
     auto_decode_split,
+    default_prefill,
     make_executor,
 )
 from kernels.model import (
@@ -102,6 +103,14 @@ def test_reference_model_does_not_depend_on_the_prefill_tile() -> None:
         ys.append(model.forward(build_step([StepItem("r", False, toks[70:], 70, table, True)],
                                            shape, prefill_tile=tile), kc, vc))
     np.testing.assert_allclose(ys[1], ys[0], rtol=1e-12, atol=1e-13)
+
+
+def test_default_prefill_is_the_wgmma_kernel_on_hopper_only() -> None:
+    assert default_prefill("90") == "wg128s3" and "wg128s3" in WG_PREFILL_VARIANTS
+    for cc in ("80", "89", "100", "120"):  # wgmma (sm_90a) runs on compute capability 9.0 only
+        assert default_prefill(cc) == "w4m2n64q"
+        assert default_prefill(cc) in PREFILL_VARIANTS
+        assert default_prefill(cc) not in WG_PREFILL_VARIANTS
 
 
 def test_auto_decode_split() -> None:
