@@ -84,9 +84,9 @@ _WG_ROWS = 128
 #: where the GPU is not a Hopper one.
 DEFAULT_PREFILL = "w4m2n64q"
 #: The default on a Hopper GPU (compute capability 9.0): wg128s3 (wgmma, 128-key tiles,
-#: 3 stages) reached 0.425 / 0.430 of the peak at 8k (16- / 32-token blocks) against
-#: w4m2n64q's 0.315 / 0.320 on the H100 (2026-11-25), faster at every size from 1k, and
-#: passed the reference test at head dims 64 and 128.
+#: 3 stages) reached 0.423-0.430 of the peak at 8k (16- and 32-token blocks, two runs)
+#: against w4m2n64q's 0.313-0.325 on the H100 (2026-11-25), 1.08-1.49x as fast at every
+#: size from 1k to 8k, and passed the reference test at head dims 64 and 128.
 DEFAULT_PREFILL_HOPPER = "wg128s3"
 #: Keys per K/V tile of the decode kernel (16 per warp).
 _BN = 64
