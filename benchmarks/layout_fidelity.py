@@ -18,8 +18,11 @@
    choosing a layout reads off the simulator).
 
 Without a GPU (or with ``--sim-only``) only the simulator runs; ``--gpu-dir DIR``
-then reads the GPU reports (and ``DIR/profile.toml``) an earlier device run wrote,
-so the tables can be rebuilt off the device.
+then reads the GPU reports (in ``DIR/layout_fidelity.json``) and ``DIR/profile.toml``
+that an earlier device run wrote, so the tables can be rebuilt off the device. Under
+``--out`` go at most five files (the device tool brings back eight): the profile, the
+calibration's JSON, the results JSON (every report of both worlds), the log and the
+summary table.
 
 Run (repository root): PYTHONUNBUFFERED=1 PYTHONPATH=. python benchmarks/layout_fidelity.py
 [--out DIR] [--gpu-runs N] [--layouts layer_major,grouped:4,grouped:8,block_major]
@@ -53,14 +56,16 @@ def tag(layout: str) -> str:
     return layout.replace(":", "")
 
 
-def make_slice(tmp: Path, block_tokens: int) -> Path:
-    """gpu_suite's slice B (multi-turn, turns loading their history back from host)."""
+def make_slice(tmp: Path, block_tokens: int, rate: float, think_s: float) -> Path:
+    """gpu_suite's slice B (multi-turn, turns loading their history back from host), by
+    default at twice its rate and half its think time: the same 64 requests, 20 of them
+    loading from host, in 15 s of trace instead of 30 (one device call holds 4 layouts)."""
     from traces.generate import multi_turn, write_generic
 
     tmp.mkdir(parents=True, exist_ok=True)
-    path = tmp / f"multi_turn_{block_tokens}.jsonl"
+    path = tmp / f"multi_turn_{block_tokens}_{rate:g}_{think_s:g}.jsonl"
     reqs = multi_turn(sessions=16, turns=4, system_len=2048, user_len=1024, output_len=32,
-                      think_time_s=3.0, rate=2.0, block_tokens=block_tokens, seed=1)
+                      think_time_s=think_s, rate=rate, block_tokens=block_tokens, seed=1)
     write_generic(reqs, path, block_tokens=block_tokens, force=True)
     return path
 
@@ -136,6 +141,8 @@ def main() -> int:
                     help="compute-calibrated profile the per-layout links are written onto")
     ap.add_argument("--pools", default=f"{POOLS[0]},{POOLS[1]}", help="device,host blocks")
     ap.add_argument("--block-tokens", type=int, default=512)
+    ap.add_argument("--rate", type=float, default=4.0, help="sessions per second")
+    ap.add_argument("--think", type=float, default=1.5, help="seconds between turns")
     ap.add_argument("--gpu-runs", type=int, default=1)
     ap.add_argument("--no-calibrate", action="store_true",
                     help="replay with --profile as it is (no per-layout links measured)")
@@ -160,12 +167,17 @@ def main() -> int:
         f"{args.block_tokens}-token blocks, pools {pools}, layouts {layouts}; GPU world: "
         + ("yes" if gpu else f"no ({reason or 'reports from ' + str(args.gpu_dir)})"))
     results: dict[str, Any] = {"model": args.model, "pools": pools, "layouts": layouts,
-                               "block_tokens": args.block_tokens, "steps": {}}
+                               "block_tokens": args.block_tokens, "rate": args.rate,
+                               "think_s": args.think, "steps": {}}
     trace = make_slice(Path(os.environ.get("SUITE_TMP", "/tmp/kvflow_layouts")),
-                       args.block_tokens)
+                       args.block_tokens, args.rate, args.think)
     profile = args.profile
-    if args.gpu_dir is not None and (args.gpu_dir / "profile.toml").exists():
-        profile = args.gpu_dir / "profile.toml"
+    earlier: dict[str, Any] = {}
+    if args.gpu_dir is not None:
+        earlier = (load(args.gpu_dir / "layout_fidelity.json") or {}).get("fidelity", {})
+        if (args.gpu_dir / "profile.toml").exists():
+            profile = args.gpu_dir / "profile.toml"
+            results["calibration"] = load(args.gpu_dir / "layouts_calibration.json")
     elif gpu and not args.no_calibrate:
         cal = out / "profile.toml"
         results["steps"]["calibrate"] = sh(
@@ -183,14 +195,13 @@ def main() -> int:
         t = time.time()
         sim = sim_report(trace, args.model, profile, pools, lay)
         say(f"simulator, {lay}: {sim['sim_time_s']:.1f} s of trace in {time.time() - t:.1f} s")
-        gdir = args.gpu_dir or out
-        gpus = []
-        for k in range(args.gpu_runs):
-            path = gdir / f"gpu_{tag(lay)}_{k}.json"
-            if gpu:
-                results["steps"][f"gpu_{tag(lay)}_{k}"] = sh(
-                    gpu_cmd(trace, args.model, profile, pools, lay, path),
-                    60 + 3 * sim["sim_time_s"])
+        gpus = list((earlier.get(lay) or {}).get("gpu") or [])
+        for k in range(args.gpu_runs if gpu else 0):
+            path = trace.parent / f"gpu_{tag(lay)}_{k}.json"
+            path.unlink(missing_ok=True)
+            results["steps"][f"gpu_{tag(lay)}_{k}"] = sh(
+                gpu_cmd(trace, args.model, profile, pools, lay, path),
+                60 + 3 * sim["sim_time_s"])
             rep = load(path)
             if rep is not None:
                 gpus.append(rep)

@@ -221,3 +221,29 @@ def test_calibrate_onto_needs_host_layouts_and_a_readable_profile(tmp_path: Path
     assert res.exit_code == 2 and "diagonal" in res.output, res.output
     assert not (tmp_path / "x.toml").exists() and not (tmp_path / "y.toml").exists()
 
+
+
+def test_calibrate_onto_writes_the_measured_tables_over_the_base(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's file handling past the measurement (which needs a GPU: replaced here by
+    what one measured)."""
+    import kernels.calibrate.layouts as layouts
+
+    def measured(model: str, block_tokens: int, names: list[str], **_: object
+                 ) -> layouts.LayoutCalibration:
+        assert names == ["layer_major", "grouped:4"] and block_tokens == 512
+        return layouts.LayoutCalibration("H100", model, block_tokens, {}, MEASURED,
+                                         host_layout_tables(MEASURED), 1.0)
+
+    monkeypatch.setattr(layouts, "calibrate_layouts", measured)
+    out = tmp_path / "p.toml"
+    res = CliRunner().invoke(app, ["calibrate", "--onto", str(SHIPPED), "--host-layouts",
+                                   "layer_major,grouped:04", "--model", "llama-3-8b-l16",
+                                   "--out", str(out), "--json", str(tmp_path / "c.json")])
+    assert res.exit_code == 0, res.output
+    prof = load_profile(str(out))
+    assert prof.for_host_layout("grouped:4").h2d == Link(51.5e9, 4.1e-5)
+    assert prof.mfu == load_profile(str(SHIPPED)).mfu
+    text = out.read_text()
+    assert "# Command: kvflow calibrate" in text and "grouped:4 (4 units per op)" in text
+    assert (tmp_path / "c.json").exists() and not (tmp_path / "p.toml.tmp").exists()
