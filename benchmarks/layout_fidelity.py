@@ -218,6 +218,8 @@ def main() -> int:
             for r in f["rows"]:
                 r["gpu"] = r["diff"] = r["met"] = None
         per_layout[lay] = f
+        results["fidelity"] = per_layout  # (written after each layout: a cut run keeps them)
+        (out / "layout_fidelity.json").write_text(json.dumps(results, indent=1, default=str))
         if per_run:
             say(f"\nFidelity, {lay} ({len(per_run)} GPU runs):\n" + table(f["rows"]))
     results["fidelity"] = per_layout
