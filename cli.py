@@ -514,7 +514,8 @@ def _calibrate_onto(onto: Path, out: Path, host_layouts: str | None, model: str,
         cal = calibrate_layouts(model, block_tokens, layouts, stream_priority=stream_priority,
                                 log=lambda m: typer.echo(m, err=True))
         text = profile_onto(base_text, cal.tables,
-                            layout_link_comments(cal.measured, cal.model, command, cal.device))
+                            layout_link_comments(cal.measured, cal.model, command, cal.device,
+                                                 cal.backend_options))
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(text)
         try:

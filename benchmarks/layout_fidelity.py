@@ -147,6 +147,9 @@ def main() -> int:
     ap.add_argument("--no-calibrate", action="store_true",
                     help="replay with --profile as it is (no per-layout links measured)")
     ap.add_argument("--sim-only", action="store_true")
+    ap.add_argument("--lean", action="store_true",
+                    help="only profile.toml and the two JSON files under --out (the log and "
+                         "the summary go to the trace's folder)")
     ap.add_argument("--gpu-dir", type=Path, default=None,
                     help="read GPU reports and profile.toml of an earlier run from here")
     args = ap.parse_args()
@@ -158,7 +161,10 @@ def main() -> int:
     assert len(pools) == 2, "--pools takes device,host"
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    gpu_suite._log_file = open(out / "layout_fidelity.log", "a")  # noqa: SIM115
+    tmp = Path(os.environ.get("SUITE_TMP", "/tmp/kvflow_layouts"))
+    tmp.mkdir(parents=True, exist_ok=True)
+    side = tmp if args.lean else out
+    gpu_suite._log_file = open(side / "layout_fidelity.log", "a")  # noqa: SIM115
     t0 = time.time()
     reason = None if not args.sim_only else "--sim-only"
     reason = reason or gpu_unavailable_reason()
@@ -168,9 +174,10 @@ def main() -> int:
         + ("yes" if gpu else f"no ({reason or 'reports from ' + str(args.gpu_dir)})"))
     results: dict[str, Any] = {"model": args.model, "pools": pools, "layouts": layouts,
                                "block_tokens": args.block_tokens, "rate": args.rate,
-                               "think_s": args.think, "steps": {}}
-    trace = make_slice(Path(os.environ.get("SUITE_TMP", "/tmp/kvflow_layouts")),
-                       args.block_tokens, args.rate, args.think)
+                               "think_s": args.think, "steps": {},
+                               "env": {k: v for k, v in os.environ.items()
+                                       if k.startswith("KVFLOW_")}}
+    trace = make_slice(tmp, args.block_tokens, args.rate, args.think)
     profile = args.profile
     earlier: dict[str, Any] = {}
     if args.gpu_dir is not None:
@@ -229,7 +236,7 @@ def main() -> int:
     say(f"targets: transfers ±{TARGETS['transfer']:.0%}, TTFT p50 ±{TARGETS['ttft_p50']:.0%}; "
         f"{results['seconds']:.0f} s; steps (rc): {results['steps']}")
     text = summary(per_layout)
-    (out / "layout_fidelity.md").write_text(text + "\n")
+    (side / "layout_fidelity.md").write_text(text + "\n")
     say(text)
     cal = results.get("calibration")
     if cal:

@@ -211,8 +211,11 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                                        stream_priority=stream_priority))
     gc.collect()
     b = PROFILES[base]
-    opts = {k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
-            if v is not None}
+    from kernels.world import env_backend_options
+
+    opts = {**env_backend_options(),  # (KVFLOW_EAGER_LAYERS too: replays read it)
+            **{k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
+               if v is not None}}
     over = measure_step_overhead(spec, log, backend_options=opts)
     gc.collect()
     try:

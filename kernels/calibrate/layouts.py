@@ -51,6 +51,13 @@ __all__ = [
 ]
 
 
+#: The layout replays' first wave arrives one prompt this far apart: measured in one burst
+#: (all at t=0, as the profile's own links are), a grouped layout's backups met the
+#: prefills' kernels holding the SMs their gather needs and came out 1.2-1.6x what a
+#: multi-turn replay's took (benchmarks/results/host_layouts.md, call 1).
+FIRST_WAVE_GAP_S = 0.04
+
+
 def parse_layouts(text: str | Sequence[str]) -> list[str]:
     """Canonical layout names from ``"layer_major,grouped:4"`` (or a list), each once."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -76,7 +83,7 @@ def measure_layout_links(spec: ModelSpec, log: Log, layouts: Sequence[str],
     out: dict[str, Any] = {}
     for name in parse_layouts(layouts):
         out[name] = measure_replay_links(spec, log, ceilings, backend_options,
-                                         host_layout=name)
+                                         host_layout=name, first_wave_gap_s=FIRST_WAVE_GAP_S)
         gc.collect()  # on this thread, not inside a CUDA host callback
     return out
 
@@ -117,7 +124,7 @@ def strip_host_layouts(text: str) -> str:
 
 
 def layout_link_comments(measured: dict[str, Any], model: str, command: str,
-                         device: str) -> list[str]:
+                         device: str, options: dict[str, Any] | None = None) -> list[str]:
     """The comment block above the tables: where, when, how, and each fit's ops."""
     first = next(iter(measured.values()), {})
     bt, per_block = first.get("block_tokens", 0), first.get("bytes_per_block", 0)
@@ -131,6 +138,7 @@ def layout_link_comments(measured: dict[str, Any], model: str, command: str,
         "latency_s per group of layers (layer_major: per layer),",
         "bandwidth_Bps at the layout's piece size; a replay in a listed layout runs on its "
         "links (GpuProfile.for_host_layout).",
+        f"Backend options (KVFLOW_* variables; replay with the same): {options or 'defaults'}.",
     ]
     for name, m in measured.items():
         parts = [f"{d} {m[d]['bandwidth_Bps'] / 1e9:.2f} GB/s + {m[d]['latency_s'] * 1e6:.1f} us"
@@ -151,11 +159,14 @@ class LayoutCalibration:
     measured: dict[str, Any]
     tables: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     seconds: float = 0.0
+    #: The backend options the replays ran with (``KVFLOW_*``: a profile holds for them).
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"device": self.device, "model": self.model, "block_tokens": self.block_tokens,
                 "raw_link": self.raw_link, "host_layouts": self.measured,
-                "tables": self.tables, "seconds": self.seconds}
+                "tables": self.tables, "seconds": self.seconds,
+                "backend_options": self.backend_options}
 
 
 def calibrate_layouts(model: str, block_tokens: int, layouts: Sequence[str],
@@ -171,24 +182,22 @@ def calibrate_layouts(model: str, block_tokens: int, layouts: Sequence[str],
         raise ConfigError(f"kvflow calibrate needs a CUDA GPU and CuPy: {reason}")
     names = parse_layouts(layouts)
     t0 = time.perf_counter()
-    if stream_priority is None or dma is None:  # as the GPU replay will run the copy streams
-        from kernels.world import env_backend_options
+    from kernels.world import env_backend_options
 
-        env = env_backend_options()
-        stream_priority = env.get("stream_priority") if stream_priority is None else \
-            stream_priority
-        dma = env.get("dma", "auto") if dma is None else dma
+    # as the GPU replay will run the backend (KVFLOW_* variables; arguments over them)
+    opts = env_backend_options()
+    opts.update({k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
+                 if v is not None})
     cp = cupy_module()
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     dname = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
     spec = preset(model, block_tokens=block_tokens)
     raw = measure_raw_link(log, reps=3)
     gc.collect()
-    opts = {k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
-            if v is not None}
     measured = measure_layout_links(spec, log, names, raw, opts)
     return LayoutCalibration(dname, spec.name, block_tokens, raw, measured,
-                             host_layout_tables(measured), time.perf_counter() - t0)
+                             host_layout_tables(measured), time.perf_counter() - t0,
+                             {k: "all" if v is None else v for k, v in opts.items()})
 
 
 def profile_onto(base_text: str, tables: dict[str, dict[str, dict[str, float]]],

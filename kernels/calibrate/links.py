@@ -258,7 +258,8 @@ REPLAY_LINK_OUTPUT = 24
 def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] | None = None,
                          backend_options: dict[str, Any] | None = None,
                          sizes: Sequence[int] = REPLAY_LINK_SIZES,
-                         host_layout: str = "layer_major") -> dict[str, Any]:
+                         host_layout: str = "layer_major",
+                         first_wave_gap_s: float = 0.0) -> dict[str, Any]:
     """The link model fitted to the transfers of a small GPU replay, as replays see them.
 
     Isolated ops (``measure_backend_links``) miss what a replay adds around a
@@ -274,6 +275,9 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
     ``host_layout``: the replay's host pool layout (``kvflow.host_layout``); an op
     then moves a group of layers per unit, so the fit's units per op are the
     layout's groups (``latency_s`` is per group), as the simulator charges them.
+    ``first_wave_gap_s``: the first wave's prompts arrive this far apart (0: all at
+    once), so that their backups meet a few requests' decode steps, not one burst of
+    prefills (whose kernels hold the SMs a grouped layout's gather needs).
     """
     import tempfile
 
@@ -291,8 +295,9 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         ids = tuple(range(first, first + k + 1))
         first += k + 1
         prefixes.append(ids)
-        reqs.append(Request(i, 0.0, k * bt, REPLAY_LINK_OUTPUT, ids[:k]))
-    wave2 = 3.0  # s: the first wave (~56k prompt tokens) is done by then
+        reqs.append(Request(i, i * first_wave_gap_s, k * bt, REPLAY_LINK_OUTPUT, ids[:k]))
+    wave2 = 3.0 + requests * first_wave_gap_s  # s: the first wave (~56k prompt tokens) is
+    # done by then
     for i, ids in enumerate(prefixes):
         reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, REPLAY_LINK_OUTPUT,
                             ids))
