@@ -454,7 +454,7 @@ def calibrate(
              "'layer_major,grouped:4,block_major'); a replay in one runs on its links.")] = None,
     onto: Annotated[Path | None, typer.Option(
         help="Measure only the --host-layouts links and write them onto this profile TOML "
-             "(its other keys kept).")] = None,
+             "(its other keys kept; --name, if given, renames it).")] = None,
 ) -> None:
     """Measure this GPU (links, swap kernels, compute, host share); write a profile for
     `replay --profile`.
@@ -473,7 +473,7 @@ def calibrate(
     command = "kvflow calibrate " + " ".join(sys.argv[2:])
     if onto is not None:
         _calibrate_onto(onto, out, host_layouts, model, block_tokens, stream_priority,
-                        command, json_out)
+                        command, json_out, name)
         return
     with user_errors(KvflowError):
         layouts = [] if host_layouts is None else _parse_layouts(host_layouts)
@@ -496,7 +496,7 @@ def _parse_layouts(text: str) -> list[str]:
 
 def _calibrate_onto(onto: Path, out: Path, host_layouts: str | None, model: str,
                     block_tokens: int, stream_priority: int | None, command: str,
-                    json_out: Path | None) -> None:
+                    json_out: Path | None, name: str | None) -> None:
     """`calibrate --onto`: the per-layout links only, written over a copy of ``onto``."""
     from kernels.calibrate.layouts import (
         calibrate_layouts,
@@ -515,7 +515,7 @@ def _calibrate_onto(onto: Path, out: Path, host_layouts: str | None, model: str,
                                 log=lambda m: typer.echo(m, err=True))
         text = profile_onto(base_text, cal.tables,
                             layout_link_comments(cal.measured, cal.model, command, cal.device,
-                                                 cal.backend_options))
+                                                 cal.backend_options), name)
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text(text)
         try:

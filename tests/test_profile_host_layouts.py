@@ -137,6 +137,8 @@ def test_profile_onto_replaces_old_layout_tables_and_keeps_the_rest(tmp_path: Pa
                                                          "latency_s": 0.0}}}, ["second"])
     assert again.startswith(base.rstrip("\n"))  # the base's keys and comments, as they were
     assert "# first" in again  # (comments before the tables stay; the tables do not)
+    assert load_profile_text(tmp_path, profile_onto("mfu = 0.5\n[h2d]\nlatency_s = 0.0\n",
+                                                    {}, [], name="n")).name == "n"
     path = tmp_path / "p.toml"
     path.write_text(again)
     prof, shipped = load_profile(str(path)), load_profile(str(SHIPPED))
@@ -144,6 +146,12 @@ def test_profile_onto_replaces_old_layout_tables_and_keeps_the_rest(tmp_path: Pa
     assert replace(prof, host_layouts=(), name=shipped.name) == shipped
     with pytest.raises(ConfigError, match="inline"):
         strip_host_layouts('mfu = 0.5\nhost_layouts = { block_major = { h2d = {} } }\n')
+
+
+def load_profile_text(tmp_path: Path, text: str) -> GpuProfile:
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    return load_profile(str(path))
 
 
 def test_parse_layouts() -> None:
@@ -239,11 +247,23 @@ def test_calibrate_onto_writes_the_measured_tables_over_the_base(
     out = tmp_path / "p.toml"
     res = CliRunner().invoke(app, ["calibrate", "--onto", str(SHIPPED), "--host-layouts",
                                    "layer_major,grouped:04", "--model", "llama-3-8b-l16",
-                                   "--out", str(out), "--json", str(tmp_path / "c.json")])
+                                   "--out", str(out), "--json", str(tmp_path / "c.json"),
+                                   "--name", "h100-layouts"])
     assert res.exit_code == 0, res.output
     prof = load_profile(str(out))
+    assert prof.name == "h100-layouts"
     assert prof.for_host_layout("grouped:4").h2d == Link(51.5e9, 4.1e-5)
     assert prof.mfu == load_profile(str(SHIPPED)).mfu
     text = out.read_text()
     assert "# Command: kvflow calibrate" in text and "grouped:4 (4 units per op)" in text
     assert (tmp_path / "c.json").exists() and not (tmp_path / "p.toml.tmp").exists()
+
+
+def test_shipped_layouts_profile_is_the_fast_profile_plus_its_layout_links() -> None:
+    prof = load_profile(str(ROOT / "sim/profiles/h100-fast-layouts.toml"))
+    base = load_profile(str(SHIPPED))
+    assert [n for n, _, _ in prof.host_layouts] == ["layer_major", "grouped:4", "grouped:8",
+                                                   "block_major"]
+    assert replace(prof, host_layouts=(), name=base.name) == base
+    for name, h2d, d2h in prof.host_layouts:
+        assert 40e9 < h2d.bandwidth_Bps < 64e9 and 40e9 < d2h.bandwidth_Bps < 64e9, name

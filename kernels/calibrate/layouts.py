@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kernels.calibrate.fit import Log, render_host_layouts
+from kernels.calibrate.fit import Log, _toml_value, render_host_layouts
 from kvflow.errors import ConfigError
 from kvflow.host_layout import HostLayout
 from kvflow.layout import ModelSpec
@@ -143,7 +143,8 @@ def layout_link_comments(measured: dict[str, Any], model: str, command: str,
     for name, m in measured.items():
         parts = [f"{d} {m[d]['bandwidth_Bps'] / 1e9:.2f} GB/s + {m[d]['latency_s'] * 1e6:.1f} us"
                  f" ({m[d]['ops']} ops)" for d in ("h2d", "d2h") if m.get(d)]
-        lines.append(f"  {name} ({m.get('units_per_op', '?')} units per op): "
+        units = m.get("units_per_op", "?")
+        lines.append(f"  {name} ({units} unit{'' if units == 1 else 's'} per op): "
                      + ("; ".join(parts) or "too few ops to fit"))
     return lines
 
@@ -201,8 +202,26 @@ def calibrate_layouts(model: str, block_tokens: int, layouts: Sequence[str],
 
 
 def profile_onto(base_text: str, tables: dict[str, dict[str, dict[str, float]]],
-                 comments: Sequence[str]) -> str:
-    """``base_text`` (a profile TOML) with its host_layouts replaced by ``tables``."""
+                 comments: Sequence[str], name: str | None = None) -> str:
+    """``base_text`` (a profile TOML) with its host_layouts replaced by ``tables`` and,
+    given ``name``, its top-level ``name`` key set to it."""
     body = strip_host_layouts(base_text)
+    if name is not None:
+        body = _set_name(body, name)
     head = "\n".join(f"# {c}" if c else "#" for c in comments)
     return body + "\n" + head + "\n" + render_host_layouts(tables)
+
+
+def _set_name(text: str, name: str) -> str:
+    """``text`` with its top-level ``name = ...`` line replaced (or one added before the
+    first table)."""
+    lines = text.splitlines()
+    line = f"name = {_toml_value(name)}"
+    first_table = next((i for i, ln in enumerate(lines) if _HEADER.match(ln)), len(lines))
+    for i in range(first_table):
+        if re.match(r"^\s*name\s*=", lines[i]):
+            lines[i] = line
+            break
+    else:
+        lines.insert(first_table, line)
+    return "\n".join(lines) + "\n"
