@@ -449,6 +449,12 @@ def calibrate(
     stream_priority: Annotated[int | None, typer.Option(
         help="CUDA priority of the copy streams (as the replay will run them).")] = None,
     force: Annotated[bool, typer.Option(help="Overwrite --out if it exists.")] = False,
+    host_layouts: Annotated[str | None, typer.Option(
+        help="Also measure the links of these host layouts (comma-separated, as in "
+             "'layer_major,grouped:4,block_major'); a replay in one runs on its links.")] = None,
+    onto: Annotated[Path | None, typer.Option(
+        help="Measure only the --host-layouts links and write them onto this profile TOML "
+             "(its other keys kept; --name, if given, renames it).")] = None,
 ) -> None:
     """Measure this GPU (links, swap kernels, compute, host share); write a profile for
     `replay --profile`.
@@ -464,16 +470,63 @@ def calibrate(
 
     if out.exists() and not force:
         fail(f"{out} exists; pass --force to overwrite")
+    command = "kvflow calibrate " + " ".join(sys.argv[2:])
+    if onto is not None:
+        _calibrate_onto(onto, out, host_layouts, model, block_tokens, stream_priority,
+                        command, json_out, name)
+        return
     with user_errors(KvflowError):
+        layouts = [] if host_layouts is None else _parse_layouts(host_layouts)
         cal = run_calibration(model=model, block_tokens=block_tokens, base=base, name=name,
                               quick=quick, stream_priority=stream_priority,
-                              log=lambda m: typer.echo(m, err=True))
-        command = "kvflow calibrate " + " ".join(sys.argv[2:])
+                              log=lambda m: typer.echo(m, err=True), host_layouts=layouts)
         write_profile(out, cal.profile, profile_comments(cal, command))
     if json_out is not None:
         json_out.write_text(json.dumps(cal.to_json(), indent=1, default=float))
     typer.echo(f"profile written to {out} (mfu {cal.fit['mfu']:.4f}, mbu {cal.fit['mbu']:.4f}, "
                f"h2d {cal.profile['h2d']['bandwidth_Bps'] / 1e9:.1f} GB/s, "
+               f"{cal.seconds:.0f} s)")
+
+
+def _parse_layouts(text: str) -> list[str]:
+    from kernels.calibrate.layouts import parse_layouts
+
+    return parse_layouts(text)
+
+
+def _calibrate_onto(onto: Path, out: Path, host_layouts: str | None, model: str,
+                    block_tokens: int, stream_priority: int | None, command: str,
+                    json_out: Path | None, name: str | None) -> None:
+    """`calibrate --onto`: the per-layout links only, written over a copy of ``onto``."""
+    from kernels.calibrate.layouts import (
+        calibrate_layouts,
+        layout_link_comments,
+        profile_onto,
+    )
+    from kvflow.profile import load_profile
+
+    if host_layouts is None:
+        fail("--onto measures only the --host-layouts links: give --host-layouts")
+    with user_errors(KvflowError):
+        layouts = _parse_layouts(host_layouts)
+        load_profile(str(onto))  # a bad base fails before any measurement
+        base_text = onto.read_text()
+        cal = calibrate_layouts(model, block_tokens, layouts, stream_priority=stream_priority,
+                                log=lambda m: typer.echo(m, err=True))
+        text = profile_onto(base_text, cal.tables,
+                            layout_link_comments(cal.measured, cal.model, command, cal.device,
+                                                 cal.backend_options), name)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(text)
+        try:
+            load_profile(str(tmp))
+        except KvflowError:
+            tmp.unlink()
+            raise
+        tmp.replace(out)
+    if json_out is not None:
+        json_out.write_text(json.dumps(cal.to_json(), indent=1, default=float))
+    typer.echo(f"profile written to {out} ({len(cal.tables)} host layouts, "
                f"{cal.seconds:.0f} s)")
 
 

@@ -129,9 +129,13 @@ def env_backend_options() -> dict[str, Any]:
     ``KVFLOW_STREAM_PRIORITY`` (``default``, ``highest`` or an int): how the copy
     streams compete with compute for SMs (``benchmarks/bench_overlap.py``).
     ``KVFLOW_COPY_ENGINE`` (``auto``, ``never``, ``always``): whether ops go to
-    the copy engine as batched memcpys or to the swap kernel. Both change what
-    a transfer costs, so a profile is only valid for the settings it was
-    calibrated with: hence variables that both commands read.
+    the copy engine as batched memcpys or to the swap kernel.
+    ``KVFLOW_EAGER_LAYERS`` (an integer >= 1, or ``all``): layers of an op
+    enqueued at submit, the rest paced by the host (``CudaBackend``'s
+    ``eager_layers``; default 4); ``all`` takes the host's pacing out of the
+    ops' times, which the simulator does not model. Each changes what a transfer
+    costs, so a profile is only valid for the settings it was calibrated with:
+    hence variables that both commands read.
     """
     out: dict[str, Any] = {}
     value = os.environ.get("KVFLOW_STREAM_PRIORITY", "").strip()
@@ -151,6 +155,14 @@ def env_backend_options() -> dict[str, Any]:
             raise ConfigError(f"KVFLOW_COPY_ENGINE must be 'auto', 'never' or 'always', "
                               f"got {engine!r}")
         out["dma"] = engine
+    eager = os.environ.get("KVFLOW_EAGER_LAYERS", "").strip()
+    if eager == "all":
+        out["eager_layers"] = None
+    elif eager:
+        if not eager.isdigit() or int(eager) < 1:
+            raise ConfigError(f"KVFLOW_EAGER_LAYERS must be an integer >= 1 or 'all', "
+                              f"got {eager!r}")
+        out["eager_layers"] = int(eager)
     return out
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from kvflow.errors import ConfigError
+from kvflow.host_layout import HostLayout
 
 __all__ = ["LINKS", "PROFILES", "GpuProfile", "Link", "load_profile", "tensor_parallel_links"]
 
@@ -127,12 +128,28 @@ class GpuProfile:
     # of the order nccl-tests reports for small all-reduces inside one node (~10-20 us
     # for 8 GPUs, 14 steps); calibrate it.
     nvlink_latency_s: float = 1e-6
+    #: PCIe links measured per host layout (``kvflow.host_layout``): ``(layout, h2d, d2h)``,
+    #: the layout's canonical name. A layout moves its own pieces (a layer of one role
+    #: per block, or G layers of a block), so its per-unit latency and bandwidth differ;
+    #: ``for_host_layout`` puts a listed layout's links in place of ``h2d`` / ``d2h``.
+    #: Empty in the presets (every layout runs on ``h2d`` / ``d2h``); ``kvflow calibrate
+    #: --host-layouts`` measures them.
+    host_layouts: tuple[tuple[str, Link, Link], ...] = ()
 
     def __post_init__(self) -> None:
         for f in fields(self):
             problem = _problem(f.name, getattr(self, f.name))
             if problem:
                 raise ConfigError(f"GpuProfile.{f.name} {problem}")
+
+    def for_host_layout(self, layout: str) -> GpuProfile:
+        """This profile as a run in host layout ``layout`` sees it: the layout's measured
+        links as ``h2d`` / ``d2h`` where ``host_layouts`` lists it, else unchanged."""
+        name = str(HostLayout.parse(layout))
+        for lay, h2d, d2h in self.host_layouts:
+            if lay == name:
+                return replace(self, h2d=h2d, d2h=d2h)
+        return self
 
 
 def _problem(key: str, value: Any) -> str | None:
@@ -145,6 +162,8 @@ def _problem(key: str, value: Any) -> str | None:
         return f"must be a non-empty string, got {value!r}"
     if key in LINKS:
         return None if isinstance(value, Link) else f"must be a Link, got {value!r}"
+    if key == "host_layouts":
+        return _host_layouts_problem(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return f"must be a finite number, got {value!r}"
     if key in ("mfu", "mbu", "pcie_duplex"):
@@ -156,6 +175,28 @@ def _problem(key: str, value: Any) -> str | None:
                "load_submit_s"):
         return None if value >= 0 else f"must be >= 0, got {value!r}"
     return None if value > 0 else f"must be > 0, got {value!r}"
+
+
+def _host_layouts_problem(value: Any) -> str | None:
+    """``host_layouts``: (layout, h2d Link, d2h Link) triples, each layout once, by its
+    canonical name."""
+    what = "must be a tuple of (layout name, h2d Link, d2h Link), each layout once"
+    if not isinstance(value, tuple):
+        return f"{what}; got {value!r}"
+    seen: set[str] = set()
+    for entry in value:
+        if (not isinstance(entry, tuple) or len(entry) != 3 or not isinstance(entry[0], str)
+                or not all(isinstance(x, Link) for x in entry[1:])):
+            return f"{what}; got {entry!r}"
+        try:
+            name = str(HostLayout.parse(entry[0]))
+        except ConfigError as exc:
+            return str(exc)
+        if name != entry[0] or name in seen:
+            return f"{what}; got {entry[0]!r}" + (" twice" if name in seen else
+                                                   f" (write it {name!r})")
+        seen.add(name)
+    return None
 
 
 def _curve_problem(value: Any) -> str | None:
@@ -323,6 +364,8 @@ def _profile_from_toml(path: str) -> GpuProfile:
         if k in LINKS:
             changes[k] = _link_from_toml(path, k, v, getattr(base, k))
             continue
+        if k == "host_layouts":
+            continue  # below: a layout's links override this file's own
         if isinstance(v, int) and not isinstance(v, bool):
             v = float(v) if k != "name" else v
         problem = _problem(k, v)
@@ -331,7 +374,41 @@ def _profile_from_toml(path: str) -> GpuProfile:
         if k == "gemm_efficiency":
             v = tuple((float(t), float(e)) for t, e in v)
         changes[k] = v
+    if "host_layouts" in data:
+        changes["host_layouts"] = _host_layouts_from_toml(
+            path, data["host_layouts"], changes.get("h2d", base.h2d), changes.get("d2h", base.d2h))
     return replace(base, **changes)
+
+
+def _host_layouts_from_toml(path: str, table: Any, h2d: Link, d2h: Link
+                            ) -> tuple[tuple[str, Link, Link], ...]:
+    """``[host_layouts."grouped:4".h2d]`` tables: per layout, links over the file's own."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{path}: key 'host_layouts' must be a table of layouts "
+                          f"(as in [host_layouts.\"grouped:4\".h2d]), got {table!r}")
+    out: list[tuple[str, Link, Link]] = []
+    seen: dict[str, str] = {}
+    for name, links in table.items():
+        where = f'host_layouts."{name}"'
+        try:
+            canon = str(HostLayout.parse(name))
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: key {where}: {exc}") from None
+        if canon in seen:
+            raise ConfigError(f"{path}: key {where}: the same layout as {seen[canon]!r}")
+        seen[canon] = name
+        if not isinstance(links, Mapping) or not links:
+            raise ConfigError(f"{path}: key {where} must be a table with h2d and/or d2h "
+                              f"link tables, got {links!r}")
+        for k in links:
+            if k not in ("h2d", "d2h"):
+                raise ConfigError(f"{path}: unknown key '{where}.{k}' (known: d2h, h2d)")
+        out.append((canon,
+                    _link_from_toml(path, f"{where}.h2d", links["h2d"], h2d)
+                    if "h2d" in links else h2d,
+                    _link_from_toml(path, f"{where}.d2h", links["d2h"], d2h)
+                    if "d2h" in links else d2h))
+    return tuple(out)
 
 
 def _link_from_toml(path: str, key: str, table: Any, base: Link) -> Link:

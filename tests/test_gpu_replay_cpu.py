@@ -13,7 +13,17 @@ from kvflow.errors import ConfigError
 def test_env_backend_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFLOW_STREAM_PRIORITY", raising=False)
     monkeypatch.delenv("KVFLOW_COPY_ENGINE", raising=False)
+    monkeypatch.delenv("KVFLOW_EAGER_LAYERS", raising=False)
     assert env_backend_options() == {}
+    monkeypatch.setenv("KVFLOW_EAGER_LAYERS", "all")
+    assert env_backend_options() == {"eager_layers": None}
+    monkeypatch.setenv("KVFLOW_EAGER_LAYERS", "8")
+    assert env_backend_options() == {"eager_layers": 8}
+    for bad in ("0", "some"):
+        monkeypatch.setenv("KVFLOW_EAGER_LAYERS", bad)
+        with pytest.raises(ConfigError, match="KVFLOW_EAGER_LAYERS must be"):
+            env_backend_options()
+    monkeypatch.delenv("KVFLOW_EAGER_LAYERS")
     monkeypatch.setenv("KVFLOW_STREAM_PRIORITY", "-3")
     monkeypatch.setenv("KVFLOW_COPY_ENGINE", "never")
     assert env_backend_options() == {"stream_priority": -3, "dma": "never"}

@@ -39,6 +39,7 @@ import dataclasses
 import datetime
 import gc
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kernels._cuda import cupy_module, gpu_unavailable_reason
@@ -68,6 +69,11 @@ from kernels.calibrate.host_share import (
     host_share_fit,
     measure_admission,
     measure_step_overhead,
+)
+from kernels.calibrate.layouts import (
+    host_layout_tables,
+    layout_link_comments,
+    measure_layout_links,
 )
 from kernels.calibrate.links import (
     REPLAY_LINK_OUTPUT,
@@ -102,6 +108,7 @@ __all__ = [
     "measure_admission",
     "measure_backend_links",
     "measure_executor",
+    "measure_layout_links",
     "measure_matmuls",
     "measure_raw_link",
     "measure_replay_links",
@@ -138,6 +145,8 @@ class Calibration:
     profile: dict[str, Any]
     seconds: float
     replay_links: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``measure_layout_links`` per host layout asked for (``--host-layouts``).
+    layout_links: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -149,8 +158,11 @@ class Calibration:
 
 def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str = "h100",
               name: str | None = None, quick: bool = False, stream_priority: int | None = None,
-              dma: str | None = None, log: Log = print) -> Calibration:
-    """Measure links, swap kernels and compute on this GPU (see the module docstring)."""
+              dma: str | None = None, log: Log = print,
+              host_layouts: Sequence[str] = ()) -> Calibration:
+    """Measure links, swap kernels and compute on this GPU (see the module docstring);
+    ``host_layouts``: also the links of each of these host layouts
+    (``kernels.calibrate.layouts``), written as the profile's ``host_layouts``."""
     reason = gpu_unavailable_reason()
     if reason is not None:
         raise ConfigError(f"kvflow calibrate needs a CUDA GPU and CuPy: {reason}")
@@ -199,8 +211,11 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
                                        stream_priority=stream_priority))
     gc.collect()
     b = PROFILES[base]
-    opts = {k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
-            if v is not None}
+    from kernels.world import env_backend_options
+
+    opts = {**env_backend_options(),  # (KVFLOW_EAGER_LAYERS too: replays read it)
+            **{k: v for k, v in (("stream_priority", stream_priority), ("dma", dma))
+               if v is not None}}
     over = measure_step_overhead(spec, log, backend_options=opts)
     gc.collect()
     try:
@@ -210,6 +225,8 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
     gc.collect()
     replay_links = measure_replay_links(spec, log, raw, backend_options=opts)
     gc.collect()
+    layout_links = measure_layout_links(spec, log, host_layouts, raw, opts) if host_layouts \
+        else {}
     # The profile's links: as a replay sees them where that replay gave enough ops,
     # else the isolated ops under load.
     profile_links = {d: replay_links.get(d) or links[d] for d in ("h2d", "d2h")}
@@ -283,13 +300,15 @@ def calibrate(model: str = "llama-3-8b-l4", block_tokens: int = 512, base: str =
             profile[key] = value
     if over.get("load_submit_s"):
         profile["load_submit_s"] = over["load_submit_s"]
+    if layout_links:
+        profile["host_layouts"] = host_layout_tables(layout_links)
     return Calibration(device, spec.name, raw, links, idle, kernels, mm, exe,
                        {"mfu": mfu, "attention_mfu": attn_mfu, "mbu": mbu,
                         "tiles": dataclasses.asdict(tiles), "tiles_grid_rms": grid_rms,
                         "step_overhead_s": fixed, "host_s": host, "host_per_seq_s": per_seq,
                         "host_per_prefill_s": per_prefill,
                         "rms_log_error": rms, "steps": rows},
-                       over, profile, time.perf_counter() - t0, replay_links)
+                       over, profile, time.perf_counter() - t0, replay_links, layout_links)
 
 
 def _replay_link_comments(cal: Calibration) -> list[str]:
@@ -367,5 +386,8 @@ def profile_comments(cal: Calibration, command: str) -> list[str]:
     if best is not None:
         lines.append(f"Swap kernel best h2d: {best['h2d_GBps']:.1f} GB/s "
                      f"({best['block_bytes'] >> 10} KB blocks, {best['ctas']} CTAs).")
+    if cal.layout_links:
+        lines += ["", *layout_link_comments(cal.layout_links, cal.model, command,
+                                            cal.device["name"])]
     return lines
 

@@ -327,7 +327,7 @@ def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
     lines.append("")
     links = ("h2d", "d2h", "storage_read", "storage_write")
     for k, v in values.items():
-        if k in links:
+        if k in links or k == "host_layouts":
             continue
         lines.append(f"{k} = {_toml_value(v)}")
     for k in links:
@@ -336,7 +336,19 @@ def render_profile(values: dict[str, Any], comments: Sequence[str]) -> str:
             lines.append(f"[{k}]")
             for kk, vv in values[k].items():
                 lines.append(f"{kk} = {_toml_value(vv)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + render_host_layouts(values.get("host_layouts") or {})
+
+
+def render_host_layouts(tables: dict[str, dict[str, dict[str, float]]]) -> str:
+    """TOML tables ``[host_layouts."<layout>".<h2d|d2h>]`` for ``kvflow.profile``."""
+    lines: list[str] = []
+    for name, links in tables.items():
+        for d in ("h2d", "d2h"):
+            if d not in links:
+                continue
+            lines += ["", f'[host_layouts."{name}".{d}]']
+            lines += [f"{k} = {_toml_value(v)}" for k, v in links[d].items()]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def _toml_value(v: Any) -> str:

@@ -257,7 +257,9 @@ REPLAY_LINK_OUTPUT = 24
 
 def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] | None = None,
                          backend_options: dict[str, Any] | None = None,
-                         sizes: Sequence[int] = REPLAY_LINK_SIZES) -> dict[str, Any]:
+                         sizes: Sequence[int] = REPLAY_LINK_SIZES,
+                         host_layout: str = "layer_major",
+                         first_wave_gap_s: float = 0.0) -> dict[str, Any]:
     """The link model fitted to the transfers of a small GPU replay, as replays see them.
 
     Isolated ops (``measure_backend_links``) miss what a replay adds around a
@@ -269,10 +271,18 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
     kept them: each loads its prefix back from host (host -> device ops of
     each size) while the others compute. ``fit_link`` on each direction's
     (bytes, service time) gives ``latency_s`` and ``bandwidth_Bps``.
+
+    ``host_layout``: the replay's host pool layout (``kvflow.host_layout``); an op
+    then moves a group of layers per unit, so the fit's units per op are the
+    layout's groups (``latency_s`` is per group), as the simulator charges them.
+    ``first_wave_gap_s``: the first wave's prompts arrive this far apart (0: all at
+    once), so that their backups meet a few requests' decode steps, not one burst of
+    prefills (whose kernels hold the SMs a grouped layout's gather needs).
     """
     import tempfile
 
     from kernels.world import run_gpu_replay
+    from kvflow.host_layout import HostLayout
     from kvflow.replay import ReplayConfig
     from traces.schema import Request
     from traces.writer import write_generic
@@ -285,8 +295,9 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         ids = tuple(range(first, first + k + 1))
         first += k + 1
         prefixes.append(ids)
-        reqs.append(Request(i, 0.0, k * bt, REPLAY_LINK_OUTPUT, ids[:k]))
-    wave2 = 3.0  # s: the first wave (~56k prompt tokens) is done by then
+        reqs.append(Request(i, i * first_wave_gap_s, k * bt, REPLAY_LINK_OUTPUT, ids[:k]))
+    wave2 = 3.0 + requests * first_wave_gap_s  # s: the first wave (~56k prompt tokens) is
+    # done by then
     for i, ids in enumerate(prefixes):
         reqs.append(Request(requests + i, wave2 + 0.04 * i, len(ids) * bt, REPLAY_LINK_OUTPUT,
                             ids))
@@ -299,10 +310,12 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         # leaves little on the device, so the second loads almost all from host.
         cfg = ReplayConfig(trace=str(trace), model=spec.name,
                            device_blocks=2 * (max(sizes) + 2) + 4, host_blocks=2 * blocks,
-                           storage_blocks=0, backend="cuda")
+                           storage_blocks=0, backend="cuda", host_layout=host_layout)
         run_gpu_replay(cfg, backend_options=backend_options or {}, op_log=ops)
-    out: dict[str, Any] = {"ops": len(ops)}
+    units = len(HostLayout.parse(host_layout).groups(spec.num_layers))
     per_block = spec.bytes_per_block
+    out: dict[str, Any] = {"ops": len(ops), "host_layout": host_layout, "units_per_op": units,
+                           "block_tokens": bt, "bytes_per_block": per_block}
     for name in ("h2d", "d2h"):
         pts = [(n * per_block, t) for _, link, n, t in ops if link == name and n > 0]
         sizes = {b for b, _ in pts}
@@ -314,11 +327,11 @@ def measure_replay_links(spec: ModelSpec, log: Log, ceilings: dict[str, float] |
         for b, t in pts:
             by_size.setdefault(b, []).append(t)
         med = sorted((b, statistics.median(ts)) for b, ts in by_size.items())
-        lat, bw = fit_link(med, spec.num_layers,
-                           max_bandwidth_Bps=(ceilings or {}).get(f"{name}_Bps"))
+        lat, bw = fit_link(med, units, max_bandwidth_Bps=(ceilings or {}).get(f"{name}_Bps"))
         out[name] = {"latency_s": lat, "bandwidth_Bps": bw, "ops": len(pts), "points": med}
-        log(f"replay links {name}: {bw / 1e9:.2f} GB/s, {lat * 1e6:.2f} us per layer unit "
-            f"({len(pts)} ops of {len(sizes)} sizes in a GPU replay)")
+        log(f"replay links {name} ({host_layout}): {bw / 1e9:.2f} GB/s, {lat * 1e6:.2f} us "
+            f"per unit of {spec.num_layers // units} layer(s) ({len(pts)} ops of {len(sizes)} "
+            "sizes in a GPU replay)")
     return out
 
 

@@ -469,7 +469,8 @@ def _instance(cfg: ReplayConfig, spec: ModelSpec, profile: GpuProfile, world: Wo
         want = replace(want, tp=tp, **tiers)
         nic_gb = group.nic_gb_per_s if group.nic_gb_per_s is not None else nic_gb
         nic_latency = group.nic_latency_s if group.nic_latency_s is not None else nic_latency
-    links = tensor_parallel_links(profile, tp)
+    # the links of this run's host layout, where the profile measured them per layout
+    links = tensor_parallel_links(profile.for_host_layout(cfg.host_layout), tp)
     nic = None
     if pool_blocks is not None:
         want = replace(want, storage_blocks=pool_blocks, storage_gb=None)  # its view
