@@ -74,6 +74,7 @@ _MEMCPY_DEFAULT = 4
 #: cudaMemcpy2D rejects pitches of 2 GiB and more.
 _MAX_PITCH = (1 << 31) - 1
 _PACK8 = struct.Struct("<8q")
+_PACK11 = struct.Struct("<11q")
 
 
 class SwapKernels:
@@ -89,15 +90,18 @@ class SwapKernels:
     def __init__(self, device: int | None = None) -> None:
         cp = cupy_module()
         self.device = cp.cuda.runtime.getDevice() if device is None else device
-        self._fn = load_module("swap.cu", self.device).get_function("kvflow_swap_blocks")
-        self._params = ctypes.create_string_buffer(64)
+        module = load_module("swap.cu", self.device)
+        self._fn = module.get_function("kvflow_swap_blocks")
+        self._fn_signal = module.get_function("kvflow_swap_blocks_signal")
+        self._params = ctypes.create_string_buffer(8 * 11)
         base = ctypes.addressof(self._params)
-        self._argv = (ctypes.c_void_p * 8)(*(base + 8 * i for i in range(8)))
+        self._argv = (ctypes.c_void_p * 11)(*(base + 8 * i for i in range(11)))
         self._argv_ptr = ctypes.addressof(self._argv)
         raw = getattr(cp.cuda.driver, "launchKernel", None)
         # RawModule.get_function gives a RawKernel; its compiled Function has the pointer.
         fptr = getattr(getattr(self._fn, "kernel", self._fn), "ptr", None)
-        self._raw = (raw, int(fptr)) if raw is not None and fptr else None
+        sptr = getattr(getattr(self._fn_signal, "kernel", self._fn_signal), "ptr", None)
+        self._raw = (raw, int(fptr), int(sptr)) if raw is not None and fptr and sptr else None
 
     def launch(self, stream_ptr: int, ctas: int, args: tuple[int, ...]) -> None:
         """Enqueue one launch. ``args``: table, roles, num_roles, chunks_per_block,
@@ -110,8 +114,23 @@ class SwapKernels:
             self._fn((grid,), (THREADS,), args, stream=_StreamPtr(stream_ptr))
             return
         _PACK8.pack_into(self._params, 0, *args)
-        raw, fptr = self._raw
+        raw, fptr, _ = self._raw
         raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
+
+    def launch_signal(self, stream_ptr: int, ctas: int, args: tuple[int, ...],
+                      counters_ptr: int, words_ptr: int, seq: int) -> None:
+        """``launch``, and layer i of the launch, once landed, sets ``words[i] = seq``
+        (``kernels.progress``; ``counters``: the words' device arrival counters, from
+        the launch's first layer). Every layer is signalled, even with no blocks."""
+        units = args[7] * args[3] * args[5]
+        grid = max(1, min(ctas, -(-units // (THREADS // 32))))
+        full = (*args, counters_ptr, words_ptr, seq)
+        if self._raw is None:  # pragma: no cover - CuPy without the driver binding
+            self._fn_signal((grid,), (THREADS,), full, stream=_StreamPtr(stream_ptr))
+            return
+        _PACK11.pack_into(self._params, 0, *full)
+        raw, _, sptr = self._raw
+        raw(sptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
 
 class _StreamPtr:
