@@ -3,7 +3,8 @@
 For the overlap question "how long does the CPU take between a load's submission
 and the step that waits for it": a swap-in of 16 blocks of llama-3-8b with
 512-token blocks (the overlap benchmark's batch case, copy-engine path), with
-consecutive and with scattered ids, 1 and 4 layers enqueued at submit. Each
+consecutive and with scattered ids, 1 and 4 layers enqueued at submit ("whole op" adds
+the deferred layers' enqueue, ``CudaBackend.flush``, timed right after). Each
 part (``prepare``: validate, split runs, build descriptors; ``launch``: the
 batched driver calls; the per-layer events and host callbacks around them) is
 timed by wrapping it with ``perf_counter``, no profiler; the table gives the
@@ -45,7 +46,7 @@ from kvflow.manager import OpKind, TransferOp
 from kvflow.radix import Tier
 
 BLOCKS, POOL = 16, 40
-PARTS = ("prepare", "launch", "_enqueue_layers", "_take_events")
+PARTS = ("prepare", "launch", "launch_signal", "_enqueue_layers", "_take_events")
 
 
 def timed(obj: Any, name: str, acc: dict[str, float], on: list[bool]) -> None:
@@ -86,12 +87,12 @@ async def measure(eager: int, scattered: bool, warm: int, timed_ops: int,
                   host_layout: str = "layer_major", block_tokens: int = 512,
                   sink_kind: str = "lazy") -> dict[str, float]:
     backend = CudaBackend(preset("llama-3-8b", block_tokens=block_tokens), POOL, POOL,
-                          eager_layers=eager, host_layout=host_layout)
+                          eager_layers=eager or None, host_layout=host_layout)
     make_sink = LazySink if sink_kind == "lazy" else FutureSink
     acc: dict[str, float] = {}
     on = [False]
     for name in PARTS:
-        owner = backend.h2d if name in ("prepare", "launch") else backend
+        owner = backend.h2d if name in ("prepare", "launch", "launch_signal") else backend
         if hasattr(owner, name):
             timed(owner, name, acc, on)
     rnd = random.Random(0)
@@ -102,11 +103,12 @@ async def measure(eager: int, scattered: bool, warm: int, timed_ops: int,
         t0 = time.perf_counter()
         sink = make_sink(backend.num_layers)
         backend.submit(op, sink)
+        t1 = time.perf_counter()
+        backend.flush()  # the deferred layers (``eager_layers``): the op's whole enqueue
         if on[0]:
-            acc["submit (with its sink)"] = acc.get("submit (with its sink)", 0.0) + (
-                time.perf_counter() - t0)
+            acc["submit (with its sink)"] = acc.get("submit (with its sink)", 0.0) + t1 - t0
+            acc["whole op"] = acc.get("whole op", 0.0) + time.perf_counter() - t0
         on[0] = False
-        backend.flush()
         await sink.finished
     backend.synchronize()
     return {k: v / timed_ops for k, v in acc.items()}
@@ -119,11 +121,15 @@ def main() -> None:
                     help="comma-separated host layouts (layer_major, grouped:G, block_major)")
     ap.add_argument("--block-tokens", default="512", help="comma-separated block sizes")
     ap.add_argument("--sink", choices=("lazy", "future"), default="lazy")
-    ap.add_argument("--eager", default="1,4", help="comma-separated eager_layers values")
+    ap.add_argument("--eager", default="1,4",
+                    help="comma-separated eager_layers values (0: every layer at submit)")
+    ap.add_argument("--bandwidth", type=int, default=0, metavar="MIB",
+                    help="also: GPU time of MIB of scattered 16-token layer_major blocks, one "
+                         "signalling launch per op against a launch per layer")
     ap.add_argument("--copier-table", action="store_true",
                     help="also bench_layouts.py's prepare + launch table (16 blocks)")
     args = ap.parse_args()
-    cols = ("submit (with its sink)", *PARTS)
+    cols = ("submit (with its sink)", "whole op", *PARTS)
     print(f"mean CPU us per submit ({BLOCKS} blocks, llama-3-8b, {args.sink} sink; "
           "parts overlap: _enqueue_layers holds launch)")
     print(f"| host layout | block tokens | eager layers | ids | {' | '.join(cols)} |")
@@ -140,6 +146,67 @@ def main() -> None:
                           flush=True)
     if args.copier_table:
         copier_table(args.host_layouts, "16")
+    if args.bandwidth:
+        bandwidth(args.bandwidth)
+
+
+def bandwidth(mib: int, reps: int = 5) -> None:
+    """One signalling launch against per-layer launches, the same op, the same process:
+    GPU time each way and both ways at once (CUDA events, median of ``reps``)."""
+    import statistics
+
+    import numpy as np
+
+    from kernels._cuda import cupy_module
+
+    cp = cupy_module()
+    spec = preset("llama-3-8b", block_tokens=16)
+    n = (mib << 20) // spec.bytes_per_block
+    be = CudaBackend(spec, 2 * n, 2 * n, eager_layers=None)
+    rng = np.random.default_rng(0)
+    s_in, d_in = rng.permutation(2 * n)[:n].tolist(), rng.permutation(2 * n)[:n].tolist()
+    free_dev = sorted(set(range(2 * n)) - set(d_in))
+    free_host = sorted(set(range(2 * n)) - set(s_in))
+    s_out = rng.permutation(free_dev)[:n].tolist()
+    d_out = rng.permutation(free_host)[:n].tolist()
+    p_in, p_out = be.h2d.prepare(s_in, d_in), be.d2h.prepare(s_out, d_out)
+    assert be.h2d.signals(p_in) and be.d2h.signals(p_out)
+    L = be.num_layers
+    ways = {"h2d": ((be.h2d, p_in, be.load_stream),),
+            "d2h": ((be.d2h, p_out, be.store_stream),),
+            "both": ((be.h2d, p_in, be.load_stream), (be.d2h, p_out, be.store_stream))}
+    print(f"\n{n} scattered 16-token blocks of llama-3-8b ({mib} MiB, 32 KiB pieces), GPU ms "
+          f"(median of {reps}) and CPU us per op, by launch mode")
+    print("| way | per-layer launches ms | one launch ms | ratio | CPU per-layer us | "
+          "CPU one us |\n|---|---|---|---|---|---|")
+    for way, parts in ways.items():
+        row = {}
+        for mode in ("layer", "op"):
+            gpu, cpu = [], []
+            for _ in range(reps + 1):
+                be.synchronize()
+                ev0 = [cp.cuda.Event() for _ in parts]
+                for e, (_, _, st) in zip(ev0, parts, strict=True):
+                    e.record(st)
+                t0 = time.perf_counter()
+                for c, prep, st in parts:
+                    if mode == "op":
+                        c.launch_signal(prep, st, c.progress.take())
+                    else:
+                        for layer in range(L):
+                            c.launch(prep, st, layer, 1)
+                cpu.append(time.perf_counter() - t0)
+                ev1 = [cp.cuda.Event() for _ in parts]
+                for e, (_, _, st) in zip(ev1, parts, strict=True):
+                    e.record(st)
+                for e in ev1:
+                    e.synchronize()
+                gpu.append(max(cp.cuda.get_elapsed_time(ev0[0], e) for e in ev1))
+            row[mode] = (statistics.median(gpu[1:]), statistics.median(cpu[1:]) * 1e6)
+        print(f"| {way} | {row['layer'][0]:.2f} | {row['op'][0]:.2f} | "
+              f"{row['layer'][0] / row['op'][0]:.3f} | {row['layer'][1]:.0f} | "
+              f"{row['op'][1]:.0f} |", flush=True)
+    be.synchronize()
 
 
 def copier_table(layouts: str, block_tokens: str) -> None:
