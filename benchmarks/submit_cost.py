@@ -206,6 +206,42 @@ def bandwidth(mib: int, reps: int = 5) -> None:
         print(f"| {way} | {row['layer'][0]:.2f} | {row['op'][0]:.2f} | "
               f"{row['layer'][0] / row['op'][0]:.3f} | {row['layer'][1]:.0f} | "
               f"{row['op'][1]:.0f} |", flush=True)
+    # when each layer lands: a probe stream waits on layer i (word or event), records
+    probe = cp.cuda.Stream(non_blocking=True)
+    marks = (0, 7, 15, 23, 31)
+    print(f"\nh2d, when layer i lands, as a fraction of the op's GPU time (median of {reps}; "
+          "a probe stream waits on the layer's word / event and records)")
+    print("| launch | " + " | ".join(f"layer {i}" for i in marks) + " |\n|---" * 1
+          + "|---" * len(marks) + "|")
+    c, prep, st = ways["h2d"][0]
+    for mode in ("layer", "op"):
+        fr: list[list[float]] = []
+        for _ in range(reps + 1):
+            be.synchronize()
+            probe.synchronize()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(st)
+            evs = []
+            if mode == "op":
+                seq = c.progress.take()
+                c.launch_signal(prep, st, seq)
+                for i in range(L):
+                    c.progress.wait(probe.ptr, i, seq)
+                    evs.append(cp.cuda.Event())
+                    evs[-1].record(probe)
+            else:
+                for i in range(L):
+                    c.launch(prep, st, i, 1)
+                    evs.append(cp.cuda.Event())
+                    evs[-1].record(st)
+            end.record(st)
+            end.synchronize()
+            probe.synchronize()
+            total = cp.cuda.get_elapsed_time(start, end)
+            fr.append([cp.cuda.get_elapsed_time(start, evs[i]) / total for i in marks])
+        med = [statistics.median(f[j] for f in fr[1:]) for j in range(len(marks))]
+        print(f"| {'per layer' if mode == 'layer' else 'one (words)'} | "
+              + " | ".join(f"{x:.3f}" for x in med) + " |", flush=True)
     be.synchronize()
 
 

@@ -5,8 +5,8 @@ between rounds, so queues never fill): a kernel launch through CuPy's ``RawKerne
 and through the driver binding the swap kernel uses, an event record, a stream's
 wait on an event, a host function, the stream memory operations of
 ``kernels.progress`` (wait on / write a word in pinned memory), a CUDA graph launch
-(1 and 32 kernel nodes), and one batched copy-engine call of 1 to 1,024
-descriptors (32 KiB pieces, host -> device). Wall time with ``perf_counter``;
+(1 and 32 kernel nodes), a ``cudaMemcpyAsync`` and one batched copy-engine call of
+1 to 1,024 descriptors (32 KiB pieces, host -> device). Wall time with ``perf_counter``;
 the calls never block, so it is CPU time of the submitting thread.
 
 Run (repository root, on a GPU): PYTHONPATH=. python benchmarks/submit_primitives.py
@@ -124,6 +124,10 @@ def main() -> None:
         srcs = np.uint64(host.ptr) + perm * np.uint64(piece)
         dsts = np.uint64(dev.data.ptr) + np.arange(n_max, dtype=np.uint64) * np.uint64(piece)
         sizes = np.full(n_max, piece, dtype=np.uint64)
+        rt = cp.cuda.runtime
+        d0, s0 = int(dsts[0]), int(srcs[0])
+        add("cudaMemcpyAsync (CuPy runtime), 32 KiB h2d",
+            lambda: rt.memcpyAsync(d0, s0, piece, 4, sp), calls=32)
         for n in (1, 16, 64, 256, 1024):
             add(f"cuMemcpyBatchAsync, {n} descriptors of 32 KiB",
                 lambda n=n: bm.enqueue_at(dsts.ctypes.data, srcs.ctypes.data,

@@ -311,9 +311,11 @@ class CudaBackend:
         return task
 
     def _wait(self, stream: object, task: CudaTask, layer: int) -> None:
-        """``stream`` waits (on the GPU) until layer ``layer`` of ``task`` has landed."""
+        """``stream`` waits (on the GPU) until layer ``layer`` of ``task`` has landed; a word
+        already saying so (a read of pinned memory, 0.4 us) saves the wait (3.2 us)."""
         if task.words is not None:
-            task.words.wait(stream.ptr, layer, task.seq)  # type: ignore[attr-defined]
+            if not task.landed(layer):
+                task.words.wait(stream.ptr, layer, task.seq)  # type: ignore[attr-defined]
         else:
             stream.wait_event(task.events[layer])  # type: ignore[attr-defined]
 
