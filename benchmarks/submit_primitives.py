@@ -95,6 +95,15 @@ def main() -> None:
     add("Stream.wait_event", lambda: side.wait_event(ev), sy=both)
     add("Stream.launch_host_func (no-op)", lambda: side.launch_host_func(lambda _: None, None),
         calls=50, sy=both)
+    from kernels.testing import spin
+
+    def held() -> None:  # the callbacks run only after the timing: the enqueue alone
+        both()
+        spin(side, 0.05)
+
+    add("Stream.launch_host_func (no-op), stream held by a spin",
+        lambda: side.launch_host_func(lambda _: None, None), calls=50, sy=held)
+    both()
     why = progress_unavailable_reason()
     if why is None:
         words = ProgressWords(4)
