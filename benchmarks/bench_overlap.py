@@ -243,7 +243,7 @@ def main() -> None:
     ap.add_argument("--host-layout", default="layer_major",
                     help="host layout(s) to measure, comma-separated (kvflow.host_layout: "
                          "layer_major, block_major, grouped:G)")
-    ap.add_argument("--launch", default="op", choices=("op", "layer"),
+    ap.add_argument("--launch", default="layer", choices=("op", "layer"),
                     help="kernel-path loads: one signalling launch per op (CudaBackend "
                          "one_launch) or a launch and an event per layer")
     ap.add_argument("--case", type=parse_case, action="append", default=None,

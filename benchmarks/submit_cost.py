@@ -126,11 +126,16 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=int, default=0, metavar="MIB",
                     help="also: GPU time of MIB of scattered 16-token layer_major blocks, one "
                          "signalling launch per op against a launch per layer")
+    ap.add_argument("--launch", default="op", choices=("op", "layer"),
+                    help="kernel-path ops: one signalling launch (CudaBackend one_launch, "
+                         "set as the process default) or a launch per layer")
     ap.add_argument("--copier-table", action="store_true",
                     help="also bench_layouts.py's prepare + launch table (16 blocks)")
     args = ap.parse_args()
+    CudaBackend.ONE_LAUNCH_DEFAULT = args.launch == "op"  # (bench_layouts' backends too)
     cols = ("submit (with its sink)", "whole op", *PARTS)
-    print(f"mean CPU us per submit ({BLOCKS} blocks, llama-3-8b, {args.sink} sink; "
+    print(f"mean CPU us per submit ({BLOCKS} blocks, llama-3-8b, {args.sink} sink, "
+          f"{args.launch} launches; "
           "parts overlap: _enqueue_layers holds launch)")
     print(f"| host layout | block tokens | eager layers | ids | {' | '.join(cols)} |")
     print("|---" * (len(cols) + 4) + "|")
@@ -210,7 +215,8 @@ def bandwidth(mib: int, reps: int = 5) -> None:
     probe = cp.cuda.Stream(non_blocking=True)
     marks = (0, 7, 15, 23, 31)
     print(f"\nh2d, when layer i lands, as a fraction of the op's GPU time (median of {reps}; "
-          "a probe stream waits on the layer's word / event and records)")
+          "a probe stream waits on the layer's word / event and records: what a compute "
+          "stream's wait_layer sees)")
     print("| launch | " + " | ".join(f"layer {i}" for i in marks) + " |\n|---" * 1
           + "|---" * len(marks) + "|")
     c, prep, st = ways["h2d"][0]
@@ -229,11 +235,14 @@ def bandwidth(mib: int, reps: int = 5) -> None:
                     c.progress.wait(probe.ptr, i, seq)
                     evs.append(cp.cuda.Event())
                     evs[-1].record(probe)
-            else:
+            else:  # the same probe: waits on each layer's event from another stream
                 for i in range(L):
                     c.launch(prep, st, i, 1)
+                    done = cp.cuda.Event(disable_timing=True)
+                    done.record(st)
+                    probe.wait_event(done)
                     evs.append(cp.cuda.Event())
-                    evs[-1].record(st)
+                    evs[-1].record(probe)
             end.record(st)
             end.synchronize()
             probe.synchronize()

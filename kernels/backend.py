@@ -111,16 +111,24 @@ class CudaBackend:
     ops of models with at most ``eager_layers`` layers are not deferred at all.
     Only while an event loop runs; otherwise every layer is enqueued at submit.
 
-    ``one_launch`` (default on): an op the swap kernel moves whole (``layer_major``,
-    pieces under ``dma_min_bytes``, no runs for the copy engine) is one launch of
-    the signalling kernel, which marks each layer in a progress word as it lands
-    (``kernels.progress``): waits on its layers are ``cuStreamWaitValue32`` on those
-    words, and the whole op is enqueued at submit (measured on the H100 host: a
-    launch costs ~6.4 us of CPU, so 32 per-layer launches cost ~200 us).
+    ``one_launch`` (``None``: ``ONE_LAUNCH_DEFAULT``, off for now): an op the swap kernel
+    moves whole (``layer_major``, pieces under ``dma_min_bytes``, no runs for the copy
+    engine) is one launch of the signalling kernel, which marks each layer in a
+    progress word as it lands (``kernels.progress``): waits on its layers are
+    ``cuStreamWaitValue32`` on those words, and the whole op is enqueued at submit
+    (H100 host: a launch costs ~5.5 us of CPU, 32 per-layer launches ~190 us; one
+    launch ~10 us, at 1.02-1.08x the per-layer launches' bandwidth). Off by default
+    because a stream waiting on the words saw layers land later than per-layer
+    launches do (layer 23 of 32 at 0.93 of the op against 0.75;
+    ``benchmarks/results/host_layouts.md``): bytes and order are right, the overlap's
+    granularity is not yet.
     A sink that reads layers lazily (``lazy_layers``: the runtime's tasks) gets a
     host function at the op's end and for the layers it awaits only (~19 us of CPU
     each); others get one per launch unit, as before.
     """
+
+    #: ``one_launch`` when not given (benchmarks flip it for a whole process).
+    ONE_LAUNCH_DEFAULT = False
 
     def __init__(
         self,
@@ -143,7 +151,7 @@ class CudaBackend:
         scatter_ctas: int = DEFAULT_SCATTER_CTAS,
         device_staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES,
         staging_slots: int = DEFAULT_SLOTS,
-        one_launch: bool = True,
+        one_launch: bool | None = None,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -177,7 +185,7 @@ class CudaBackend:
         #: Move a kernel-path op (``layer_major``, no copy-engine runs) with one signalling
         #: launch whose progress words mark each layer (``kernels.progress``), instead of a
         #: launch and an event per layer; off (or no stream memory operations): per layer.
-        self.one_launch = one_launch
+        self.one_launch = self.ONE_LAUNCH_DEFAULT if one_launch is None else one_launch
         #: Per copy stream, the one task with layers still to enqueue (only the
         #: stream's latest op can have any: a new op first enqueues the rest).
         self._tails: dict[int, CudaTask] = {}

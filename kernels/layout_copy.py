@@ -102,7 +102,11 @@ class PreparedGroups:
         self.sizes = sizes        # [group, run]: bytes of each run
         # ``stage``/``sizes`` None: one block per run at its chunk position (the copier's
         # ``FixedTables`` hold them); ``host`` is then contiguous from ``host_addr``.
-        self.host_addr = int(host.ctypes.data) if stage is None else 0
+        self.host_addr = 0
+        if stage is None:
+            if not host.flags.c_contiguous:  # rows are handed to the driver by address
+                raise ValueError("a scattered plan's host addresses must be C-contiguous")
+            self.host_addr = int(host.ctypes.data)
 
     def release(self) -> None:
         rel, self._release = self._release, None
@@ -226,7 +230,7 @@ class GroupedCopier:
             release = lambda: handle  # noqa: E731  (the closure keeps the pool memory)
         chunks = [(c, min(m, n - c)) for c in range(0, n, m)]
         bounds = [*range(0, n, m), n]
-        return PreparedGroups(chunks, ptr, release, bounds, self._fixed.host[:, host], None,
+        return PreparedGroups(chunks, ptr, release, bounds, self._fixed.gather(host), None,
                               None)
 
     def _validate(self, src_ids: Sequence[int] | np.ndarray,

@@ -150,6 +150,11 @@ class FixedTables:
     stage: np.ndarray   # [slot, group, position]: absolute staging address (uint64)
     sizes: np.ndarray   # [group, position]: the group's piece bytes (uint64)
 
+    def gather(self, host_ids: list[int]) -> np.ndarray:
+        """``[group, op block]`` host addresses of an op's pieces, C-contiguous (the copier
+        hands row slices to the driver by address; ``host[:, ids]`` would be Fortran-ordered)."""
+        return np.take(self.host, host_ids, axis=1)
+
 
 def fixed_tables(geo: HostGeometry, host_ptr: int, ring_base: int, slot_bytes: int, slots: int,
                  per_chunk: int) -> FixedTables:

@@ -9,10 +9,15 @@ sequence number ``seq``: layer i of the op has landed once ``word[i] - seq``,
 read as a signed 32-bit number, is >= 0 (sequence numbers of one copier only
 grow, and its ops finish in stream order). The word is written by the swap
 kernel itself as a layer lands (``kvflow_swap_blocks_signal``: one launch per
-op, still per-layer completion) or by ``cuStreamWriteValue32`` after a copy;
-a stream waits on it with ``cuStreamWaitValue32`` (GEQ compares exactly so,
-wrap-around included), and the host reads it with no CUDA call at all, which
-is what the runtime's lazy layer reports need (``CudaTask.layers_reported``).
+op, still per-layer completion) or by ``cuStreamWriteValue32``; it is kept
+twice: in device memory, where a stream waits on it with ``cuStreamWaitValue32``
+(GEQ compares exactly so, wrap-around included), and in pinned host memory,
+where the host reads it with no CUDA call at all, which is what the runtime's
+lazy layer reports need (``CudaTask.layers_reported``). Why twice: a stream
+waiting on a host word polls it over PCIe, and on the H100 a probe stream
+waiting layer by layer on host words during a host -> device copy fell up to
+~1 ms behind the copy (``benchmarks/results/host_layouts.md``), which fits polls
+queued behind the copy's reads.
 
 Stream memory operations are part of the driver API (CUDA 11.7+ enables them
 by default), which CuPy does not wrap: bound here with ctypes, as
@@ -81,7 +86,8 @@ class ProgressError(RuntimeError):
 
 
 class ProgressWords:
-    """``n`` progress words (pinned host) and the signal kernel's arrival counters (device).
+    """``n`` progress words (device and pinned host) and the signal kernel's arrival
+    counters (device).
 
     One per copier (one direction, its streams): ``seq`` numbers its ops. The
     counters are zero between launches (the kernel leaves them so).
@@ -98,6 +104,9 @@ class ProgressWords:
         self.words = np.ndarray((n,), np.uint32, self._mem)
         self.words[:] = 0
         self.ptr = int(self._mem.ptr)
+        #: The device copy of the words: what streams wait on.
+        self.dev = cp.zeros(n, dtype=np.uint32)
+        self.dev_ptr = int(self.dev.data.ptr)
         self.counters = cp.zeros(n, dtype=np.uint32)
         self.counters_ptr = int(self.counters.data.ptr)
         self.seq = 0
@@ -112,13 +121,16 @@ class ProgressWords:
         return ((int(self.words[i]) - seq) & _MASK) < 0x80000000
 
     def wait(self, stream_ptr: int, i: int, seq: int) -> None:
-        """``stream`` waits (on the GPU) until word ``i`` says op ``seq`` is past it."""
-        rc = self._d.wait(stream_ptr, self.ptr + 4 * i, seq, _WAIT_GEQ)
+        """``stream`` waits (on the GPU, on the device word) until word ``i`` says op ``seq``
+        is past it."""
+        rc = self._d.wait(stream_ptr, self.dev_ptr + 4 * i, seq, _WAIT_GEQ)
         if rc != 0:
             raise ProgressError(f"cuStreamWaitValue32 failed with CUresult {rc}")
 
     def write(self, stream_ptr: int, i: int, seq: int) -> None:
-        """Word ``i`` := ``seq`` once ``stream`` gets there."""
-        rc = self._d.write(stream_ptr, self.ptr + 4 * i, seq, _WRITE_DEFAULT)
+        """Word ``i`` := ``seq`` (device, then host) once ``stream`` gets there."""
+        rc = self._d.write(stream_ptr, self.dev_ptr + 4 * i, seq, _WRITE_DEFAULT)
+        if rc == 0:
+            rc = self._d.write(stream_ptr, self.ptr + 4 * i, seq, _WRITE_DEFAULT)
         if rc != 0:
             raise ProgressError(f"cuStreamWriteValue32 failed with CUresult {rc}")

@@ -21,8 +21,9 @@
 // (kernels/swap.py, "one launch per op"): every warp arrives on a per-layer
 // counter once it is past that layer (its stores fenced first); the last of
 // the grid's warps resets the counter and writes the op's sequence number into
-// the layer's progress word, in pinned host memory, where a stream waits on it
-// (cuStreamWaitValue32) and the host reads it without a CUDA call.
+// the layer's progress word twice: in device memory, where a stream waits on it
+// (cuStreamWaitValue32: the GPU polls its own memory, not PCIe, which the copy
+// saturates), and in pinned host memory, where the host reads it without a CUDA call.
 #include "swap_copy.cuh"
 
 using namespace kvflow;
@@ -34,6 +35,7 @@ __device__ __forceinline__ void swap_body(const u64 table_addr, const u64 roles_
                                           const i64 layer_begin, const i64 num_layers,
                                           const u64 ids_addr, const i64 num_blocks,
                                           unsigned* __restrict__ counters,
+                                          volatile unsigned* dev_flags,
                                           volatile unsigned* flags, const unsigned seq) {
   __shared__ i64 s_bytes[kMaxRoles];
   __shared__ i64 s_first[kMaxRoles];
@@ -64,6 +66,7 @@ __device__ __forceinline__ void swap_body(const u64 table_addr, const u64 roles_
         if (old == static_cast<unsigned>(num_warps - 1)) {  // the grid's last warp
           counters[arrived] = 0u;  // the next launch (stream-ordered) starts from 0
           __threadfence_system();
+          dev_flags[arrived] = seq;
           flags[arrived] = seq;
         }
       }
@@ -113,20 +116,22 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src ba
                    const u64 ids_addr,     // int2 [num_blocks]: (src id, dst id)
                    const i64 num_blocks) {
   swap_body<false>(table_addr, roles_addr, num_roles, chunks_per_block, layer_begin, num_layers,
-                   ids_addr, num_blocks, nullptr, nullptr, 0u);
+                   ids_addr, num_blocks, nullptr, nullptr, nullptr, 0u);
 }
 
-// As kvflow_swap_blocks, then layer i (of this launch) done: flags[i] = seq.
+// As kvflow_swap_blocks, then layer i (of this launch) done: dev_flags[i] = flags[i] = seq.
 extern "C" __global__ void __launch_bounds__(1024, 1)
 kvflow_swap_blocks_signal(const u64 table_addr, const u64 roles_addr, const i64 num_roles,
                           const i64 chunks_per_block, const i64 layer_begin,
                           const i64 num_layers, const u64 ids_addr, const i64 num_blocks,
                           const u64 counters_addr,  // u32 [num_layers], device, zero between
                                                     //   launches (the kernel leaves it so)
+                          const u64 dev_flags_addr, // u32 [num_layers], device
                           const u64 flags_addr,     // u32 [num_layers], pinned host
                           const u64 seq) {
   swap_body<true>(table_addr, roles_addr, num_roles, chunks_per_block, layer_begin, num_layers,
                   ids_addr, num_blocks, reinterpret_cast<unsigned*>(counters_addr),
+                  reinterpret_cast<volatile unsigned*>(dev_flags_addr),
                   reinterpret_cast<volatile unsigned*>(flags_addr),
                   static_cast<unsigned>(seq));
 }

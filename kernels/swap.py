@@ -76,7 +76,7 @@ _MEMCPY_DEFAULT = 4
 #: cudaMemcpy2D rejects pitches of 2 GiB and more.
 _MAX_PITCH = (1 << 31) - 1
 _PACK8 = struct.Struct("<8q")
-_PACK11 = struct.Struct("<11q")
+_PACK12 = struct.Struct("<12q")
 
 
 class SwapKernels:
@@ -95,9 +95,9 @@ class SwapKernels:
         module = load_module("swap.cu", self.device)
         self._fn = module.get_function("kvflow_swap_blocks")
         self._fn_signal = module.get_function("kvflow_swap_blocks_signal")
-        self._params = ctypes.create_string_buffer(8 * 11)
+        self._params = ctypes.create_string_buffer(8 * 12)
         base = ctypes.addressof(self._params)
-        self._argv = (ctypes.c_void_p * 11)(*(base + 8 * i for i in range(11)))
+        self._argv = (ctypes.c_void_p * 12)(*(base + 8 * i for i in range(12)))
         self._argv_ptr = ctypes.addressof(self._argv)
         raw = getattr(cp.cuda.driver, "launchKernel", None)
         # RawModule.get_function gives a RawKernel; its compiled Function has the pointer.
@@ -120,17 +120,18 @@ class SwapKernels:
         raw(fptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
     def launch_signal(self, stream_ptr: int, ctas: int, args: tuple[int, ...],
-                      counters_ptr: int, words_ptr: int, seq: int) -> None:
-        """``launch``, and layer i of the launch, once landed, sets ``words[i] = seq``
-        (``kernels.progress``; ``counters``: the words' device arrival counters, from
-        the launch's first layer). Every layer is signalled, even with no blocks."""
+                      counters_ptr: int, dev_words_ptr: int, words_ptr: int, seq: int) -> None:
+        """``launch``, and layer i of the launch, once landed, sets ``dev_words[i]`` and
+        ``words[i]`` to ``seq`` (``kernels.progress``; ``counters``: the words' device
+        arrival counters; each pointer at the launch's first layer). Every layer is
+        signalled, even with no blocks."""
         units = args[7] * args[3] * args[5]
         grid = max(1, min(ctas, -(-units // (THREADS // 32))))
-        full = (*args, counters_ptr, words_ptr, seq)
+        full = (*args, counters_ptr, dev_words_ptr, words_ptr, seq)
         if self._raw is None:  # pragma: no cover - CuPy without the driver binding
             self._fn_signal((grid,), (THREADS,), full, stream=_StreamPtr(stream_ptr))
             return
-        _PACK11.pack_into(self._params, 0, *full)
+        _PACK12.pack_into(self._params, 0, *full)
         raw, _, sptr = self._raw
         raw(sptr, grid, 1, 1, THREADS, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
 
@@ -392,8 +393,8 @@ class BlockCopier:
 
     def launch_signal(self, prep: PreparedCopy, stream: object, seq: int, *,
                       ctas: int | None = None) -> None:
-        """Every layer in one launch; layer i, once landed, sets ``progress.words[i] = seq``
-        (take ``seq`` from ``progress.take()``; see ``signals``)."""
+        """Every layer in one launch; layer i, once landed, sets its progress words (device
+        and host) to ``seq`` (take ``seq`` from ``progress.take()``; see ``signals``)."""
         pw = self.progress
         if pw is None:
             raise RuntimeError("this copier has no progress words (see signals())")
@@ -401,7 +402,7 @@ class BlockCopier:
             stream.ptr, self.ctas if ctas is None else ctas,  # type: ignore[attr-defined]
             (self._table_ptr, self._roles_ptr, self.num_roles, self.chunks_per_block, 0,
              self.num_layers, prep.ids_ptr, prep.num_scattered),
-            pw.counters_ptr, pw.ptr, seq)
+            pw.counters_ptr, pw.dev_ptr, pw.ptr, seq)
 
     def copy(
         self,

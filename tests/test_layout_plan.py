@@ -4,6 +4,8 @@ must move exactly the bytes the host layout's offsets name, both ways."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -145,7 +147,16 @@ def test_fixed_tables_give_the_plan_of_a_scattered_op() -> None:
             continue
         plan = plan_chunks(geo, 7 << 20, src, dst, m, True)
         assert plan.bounds == [*range(0, 20, m), 20]
-        np.testing.assert_array_equal(plan.host, fixed.host[:, src])
+        hosts = fixed.gather(src)
+        np.testing.assert_array_equal(plan.host, hosts)
+        # the copier reads group g's runs [a, b) from address host_addr + 8 * (g * n + a):
+        # the gathered array must be C-ordered (``fixed.host[:, src]`` is Fortran-ordered,
+        # which sent group 1's copies to other blocks' pieces on the GPU)
+        raw = np.ctypeslib.as_array((ctypes.c_uint64 * hosts.size).from_address(
+            hosts.ctypes.data))
+        n = len(src)
+        for g in range(hosts.shape[0]):
+            assert raw[g * n: (g + 1) * n].tolist() == plan.host[g].tolist()
         for c, (_p0, nb) in enumerate(plan.chunks):
             a, b = plan.bounds[c], plan.bounds[c + 1]
             k = c % slots

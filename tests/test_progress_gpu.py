@@ -3,6 +3,10 @@
 The word of a layer must not say "landed" before the layer's bytes are on the
 destination: a stream that waits on it (``cuStreamWaitValue32``) and then reads
 must see every byte, while the copying stream is still held back by a spin.
+
+Run on the H100 (2026-11-25) before the words got their device copy (streams then
+waited on the host words); the device copy is compiled and checked here, not yet
+run on a GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def _signal_launch(backend: CudaBackend, words: ProgressWords, seq: int, src: li
     c.kernels.launch_signal(stream.ptr, ctas, (c._table_ptr, c._roles_ptr, c.num_roles,
                                                c.chunks_per_block, 0, c.num_layers,
                                                prep.ids_ptr, prep.num_scattered),
-                            words.counters_ptr, words.ptr, seq)
+                            words.counters_ptr, words.dev_ptr, words.ptr, seq)
     return prep
 
 
@@ -77,6 +81,7 @@ def test_signal_kernel_words_say_landed_only_after_the_bytes(ctas: int) -> None:
         assert all(words.landed(i, seq) for i in range(L))
         assert (words.words == seq).all()
         load.synchronize()
+        assert (cp.asnumpy(words.dev) == seq).all()  # what streams wait on
         assert not cp.asnumpy(words.counters).any()
         for layer in range(L):
             for r, role in enumerate(backend.roles):
@@ -99,7 +104,9 @@ def test_write_and_wait_order_two_streams() -> None:
     with b:
         total = int(x.astype(np.int64).sum())  # synchronizes b only (a .item() on b)
     assert total == 7 * x.size
+    a.synchronize()
     assert words.landed(1, seq) and not words.landed(0, seq)
+    assert cp.asnumpy(words.dev).tolist() == [0, seq]
 
 
 # ---------------------------------------------------------------- through CudaBackend
@@ -162,7 +169,8 @@ def test_lazy_sink_gets_the_layer_it_watches_then_the_end(one_launch: bool) -> N
         assert task.layers_reported() == 0  # the spin holds it back
         task.watch(1)
         await sink.got.wait()
-        assert sink.reported == [1] and task.layers_reported() >= 2
+        # layer 1's report first (the op's end may follow it at once: a small op)
+        assert sink.reported[0] == 1 and task.layers_reported() >= 2
         with compute:
             backend.wait_layer(compute, task, L - 1)
             got = [backend.device_kv(layer, "k")[dst].copy() for layer in range(L)]
