@@ -211,8 +211,11 @@ def submit_cost(layout: str, dma: str, block_tokens: int, pieces_per_op: int | N
         start = cp.cuda.Event()
         start.record(head)
         t2 = time.perf_counter()
-        for a, c in groups:
-            be.h2d.launch(prep, head, a, c)
+        if be.one_launch and be.h2d.signals(prep):  # one signalling launch, as the backend
+            be.h2d.launch_signal(prep, head, be.h2d.progress.take())
+        else:
+            for a, c in groups:
+                be.h2d.launch(prep, head, a, c)
         t3 = time.perf_counter()
         end = cp.cuda.Event()
         end.record(getattr(be.h2d, "tail", be.load_stream))
@@ -223,7 +226,8 @@ def submit_cost(layout: str, dma: str, block_tokens: int, pieces_per_op: int | N
             launch_t.append(t3 - t2)
             gpu_t.append(cp.cuda.get_elapsed_time(start, end) / 1e3)
     out = {"layout": layout, "dma": dma, "block_tokens": block_tokens, "blocks": n,
-           "pieces": n * per_block, "launch_calls": len(groups),
+           "pieces": n * per_block,
+           "launch_calls": 1 if be.one_launch and be.h2d.signals(prep) else len(groups),
            "chunks": len(prep.chunks) if hasattr(prep, "chunks") else 1,
            "prepare_us": statistics.median(prep_t) * 1e6,
            "launch_us": statistics.median(launch_t) * 1e6,

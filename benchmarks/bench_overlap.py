@@ -62,7 +62,7 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
               dma: str = "auto", eager_layers: int | None = 4,
               executor: str = DEFAULT_EXECUTOR,
               uploads: tuple[str, ...] = ("kernel",),
-              host_layout: str = "layer_major") -> dict[str, Any]:
+              host_layout: str = "layer_major", one_launch: bool = True) -> dict[str, Any]:
     """``requests`` requests with ``blocks`` cached blocks each, loaded by one swap-in;
     each size measured once per metadata upload of ``uploads``."""
     cp = cupy_module()
@@ -72,7 +72,8 @@ async def run(model: str, block_tokens: int, requests: int, blocks: int, reps: i
     extra = max(2, -(-max(sizes) // bt)) if sizes else 2
     k = requests * blocks
     backend = CudaBackend(spec, k + requests * extra + 1, k, stream_priority=priority,
-                          dma=dma, eager_layers=eager_layers, host_layout=host_layout)
+                          dma=dma, eager_layers=eager_layers, host_layout=host_layout,
+                          one_launch=one_launch)
     ex = make_executor(executor, backend, seed=0, max_tokens=requests * extra * bt)
     await ex.warm_up(block=k + requests * extra)
     keys = [[(r, b) for b in range(blocks + extra)] for r in range(requests)]
@@ -242,6 +243,9 @@ def main() -> None:
     ap.add_argument("--host-layout", default="layer_major",
                     help="host layout(s) to measure, comma-separated (kvflow.host_layout: "
                          "layer_major, block_major, grouped:G)")
+    ap.add_argument("--launch", default="layer", choices=("op", "layer"),
+                    help="kernel-path loads: one signalling launch per op (CudaBackend "
+                         "one_launch) or a launch and an event per layer")
     ap.add_argument("--case", type=parse_case, action="append", default=None,
                     help="LABEL:REQUESTS:BLOCKS[:N,N..], instead of the default cases")
     args = ap.parse_args()
@@ -262,7 +266,7 @@ def main() -> None:
             for prio in prios:
                 r = asyncio.run(run(args.model, args.block_tokens, reqs, blocks, args.reps,
                                     prio, sizes, args.copy_engine, eager, args.executor,
-                                    args.upload, layout))
+                                    args.upload, layout, args.launch == "op"))
                 # the same sizes for each priority and layout
                 sizes = sorted({row["new_tokens"] for row in r["rows"]})
                 r["case"] = label

@@ -31,6 +31,7 @@ from kernels.cuda_task import (  # noqa: F401 (FutureSink, LoopThreadGC re-expor
     CudaTask,
     FutureSink,
     LoopThreadGC,
+    _dispatch,
     _host_callback,
     _loop_running,
 )
@@ -109,7 +110,25 @@ class CudaBackend:
     Deferred layers are paced by the host, which the simulator does not model;
     ops of models with at most ``eager_layers`` layers are not deferred at all.
     Only while an event loop runs; otherwise every layer is enqueued at submit.
+
+    ``one_launch`` (``None``: ``ONE_LAUNCH_DEFAULT``, off for now): an op the swap kernel
+    moves whole (``layer_major``, pieces under ``dma_min_bytes``, no runs for the copy
+    engine) is one launch of the signalling kernel, which marks each layer in a
+    progress word as it lands (``kernels.progress``): waits on its layers are
+    ``cuStreamWaitValue32`` on those words, and the whole op is enqueued at submit
+    (H100 host: a launch costs ~5.5 us of CPU, 32 per-layer launches ~190 us; one
+    launch ~10 us, at 1.02-1.08x the per-layer launches' bandwidth). Off by default
+    because a stream waiting on the words saw layers land later than per-layer
+    launches do (layer 23 of 32 at 0.93 of the op against 0.75;
+    ``benchmarks/results/host_layouts.md``): bytes and order are right, the overlap's
+    granularity is not yet.
+    A sink that reads layers lazily (``lazy_layers``: the runtime's tasks) gets a
+    host function at the op's end and for the layers it awaits only (~19 us of CPU
+    each); others get one per launch unit, as before.
     """
+
+    #: ``one_launch`` when not given (benchmarks flip it for a whole process).
+    ONE_LAUNCH_DEFAULT = False
 
     def __init__(
         self,
@@ -132,6 +151,7 @@ class CudaBackend:
         scatter_ctas: int = DEFAULT_SCATTER_CTAS,
         device_staging_bytes: int = DEFAULT_DEVICE_STAGING_BYTES,
         staging_slots: int = DEFAULT_SLOTS,
+        one_launch: bool | None = None,
     ) -> None:
         sizes = (("num_device_blocks", num_device_blocks), ("num_host_blocks", num_host_blocks))
         sizes += (("layers_per_launch", layers_per_launch),)
@@ -162,6 +182,10 @@ class CudaBackend:
         #: service with them).
         self.record_starts = False
         self.eager_layers = self.num_layers if eager_layers is None else eager_layers
+        #: Move a kernel-path op (``layer_major``, no copy-engine runs) with one signalling
+        #: launch whose progress words mark each layer (``kernels.progress``), instead of a
+        #: launch and an event per layer; off (or no stream memory operations): per layer.
+        self.one_launch = self.ONE_LAUNCH_DEFAULT if one_launch is None else one_launch
         #: Per copy stream, the one task with layers still to enqueue (only the
         #: stream's latest op can have any: a new op first enqueues the rest).
         self._tails: dict[int, CudaTask] = {}
@@ -196,6 +220,10 @@ class CudaBackend:
             # they go on side streams that wait on the layer events: copies never stall.
             self._load_notify = cp.cuda.Stream(non_blocking=True)
             self._store_notify = cp.cuda.Stream(non_blocking=True)
+            # Reports a lazy sink asks for (``_watch``), beside the op ends on the above.
+            self._watchers = {id(n): cp.cuda.Stream(non_blocking=True)
+                              for n in (self._load_notify, self._store_notify)}
+            self._event_stream: object = None
             kernels = SwapKernels(self.device)
             dev_bases = np.array([[a.data.ptr + layer * a.strides[0] for a in self._dev]
                                   for layer in range(L)], dtype=np.int64)
@@ -255,7 +283,9 @@ class CudaBackend:
         """
         copier, stream, notify = self._route(op)
         loop = self._event_loop()
-        task = CudaTask(op, sink, loop, stream, _owner=self, notify=notify)
+        L = self.num_layers
+        task = CudaTask(op, sink, loop, stream, _owner=self, notify=notify, num_layers=L,
+                        lazy=getattr(sink, "lazy_layers", False) is True)
         try:
             prep = copier.prepare(op.src_ids, op.dst_ids, stream)
         except InvalidBlockId as exc:
@@ -264,30 +294,59 @@ class CudaBackend:
             loop.call_soon(sink.done, exc)
             return task
         task.prep = prep
-        task.events = self._take_events(self.num_layers)
+        if self.one_launch and copier.signals(prep):  # one launch, a word per layer
+            task.words = copier.progress
+            task.seq = copier.progress.take()
+        else:  # an event per launch unit, shared by its layers (they land together)
+            k = self.layers_per_launch
+            ev = self._take_events(-(-L // k))
+            task.events = ev if k == 1 else [ev[i // k] for i in range(L)]
         task.started = True
         self._live[task.key] = task
         self._finish_tail(stream)  # same-stream order: the previous op's layers first
         # Same-stream predecessors are already ordered; finished ones are past.
         task.deps = [h for h in after if isinstance(h, CudaTask) and h.started
                      and not h.finished and h.stream is not stream]
-        if self.eager_layers >= self.num_layers or not _loop_running(loop):
-            self._enqueue_layers(task, self.num_layers - 1)
+        if self.eager_layers >= L or not _loop_running(loop):
+            self._enqueue_layers(task, L - 1)
             return task
         self._enqueue_layers(task, self.eager_layers - 1)
-        if task.next_layer < self.num_layers:
+        if task.next_layer < L:
             self._tails[id(stream)] = task
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 loop.call_soon(self._flush_tails)
         return task
 
+    def _wait(self, stream: object, task: CudaTask, layer: int) -> None:
+        """``stream`` waits (on the GPU) until layer ``layer`` of ``task`` has landed; a word
+        already saying so (a read of pinned memory, 0.4 us) saves the wait (3.2 us)."""
+        if task.words is not None:
+            if not task.landed(layer):
+                task.words.wait(stream.ptr, layer, task.seq)  # type: ignore[attr-defined]
+        else:
+            stream.wait_event(task.events[layer])  # type: ignore[attr-defined]
+
+    def _notify(self, task: CudaTask, first: int, count: int, on: object = None) -> None:
+        """A host function (on ``on``, default the task's notify stream) reports layers
+        ``first .. first+count-1`` once the last has landed."""
+        last = first + count - 1
+        on = task.notify if on is None else on
+        if task.words is not None:
+            task.words.wait(on.ptr, last, task.seq)  # type: ignore[attr-defined]
+        else:
+            on.wait_event(task.events[last])  # type: ignore[attr-defined]
+        on.launch_host_func(_host_callback,  # type: ignore[attr-defined]
+                            (task.loop, self._ref, task.key, first, count))
+
     def _enqueue_layers(self, task: CudaTask, through: int) -> None:
         """Enqueue ``task``'s layer groups up to the one holding layer ``through``."""
         copier = self.h2d if task.stream is self.load_stream else self.d2h
-        stream, notify, events = task.stream, task.notify, task.events
+        stream, events = task.stream, task.events
         tail = getattr(copier, "tail", stream)  # where the copied layers are complete
-        L, k = self.num_layers, self.layers_per_launch
+        L = self.num_layers
+        # One signalling launch moves every layer; else a launch per group of layers.
+        k = L if task.words is not None else self.layers_per_launch
         layer = task.next_layer
         try:
             while layer <= through and layer < L:
@@ -296,37 +355,63 @@ class CudaBackend:
                 for h in task.deps:  # layers land in order: waiting on `last` covers the group
                     if not h.finished:
                         self._ensure(h, last)
-                        stream.wait_event(h.events[last])
+                        self._wait(stream, h, last)
                 if layer == 0 and self.record_starts:
                     task.start_event = self._cp.cuda.Event()
                     task.start_event.record(stream)
-                copier.launch(task.prep, stream, layer, count)
+                if task.words is not None:
+                    copier.launch_signal(task.prep, stream, task.seq)
+                else:
+                    copier.launch(task.prep, stream, layer, count)
                 if last == L - 1 and self.record_starts:
                     task.end_event = self._cp.cuda.Event()
                     task.end_event.record(tail)
-                for i in range(layer, last + 1):
-                    events[i].record(tail)
-                notify.wait_event(events[last])
-                notify.launch_host_func(_host_callback,
-                                        (task.loop, self._ref, task.key, layer, count))
-                layer = last + 1
+                if events:
+                    events[last].record(tail)  # (shared by the unit's layers)
+                first, layer = layer, last + 1
                 task.next_layer = layer
+                if not task.lazy:  # every layer reported, a host function per launch unit
+                    if task.words is None:
+                        self._notify(task, first, count)
+                    else:
+                        for i in range(first, last + 1):
+                            self._notify(task, i, 1)
+                elif layer == L:  # lazy: the op's end; layers on request (``_watch``)
+                    self._notify(task, L - 1, 1)
         except Exception as exc:  # a CUDA error while enqueueing: report it, keep order
             task.next_layer = L
+            task.limit = layer
             task.error = TransferError(
                 f"op {task.op.op_id}: enqueueing layer {layer} failed: {exc}")
             task.error.__cause__ = exc
             try:
-                for ev in events[layer:]:
-                    ev.record(tail)  # dependents must not wait on stale events
-                notify.wait_event(events[-1])
-                notify.launch_host_func(_host_callback, (task.loop, self._ref, task.key, layer, 0))
+                for i in range(layer, L):  # dependents must not wait on stale marks
+                    if task.words is not None:
+                        task.words.write(tail.ptr, i, task.seq)  # type: ignore[attr-defined]
+                    else:
+                        events[i].record(tail)
+                self._notify(task, L - 1, 1)
+                # (the callback ends it: ``error`` is set, so nothing more is reported)
             except Exception:
                 task.loop.call_soon(task._finish, False)
         if task.next_layer >= L:
             task.deps = []
             if self._tails.get(id(stream)) is task:
                 del self._tails[id(stream)]
+
+    def _watch(self, task: CudaTask, layer: int) -> None:
+        """A lazy sink awaits ``layer``: a host function reports it once it lands (or a
+        report on the loop's next turn, if it has)."""
+        if task.finished or not task.lazy or layer <= task.watched or task.error is not None:
+            return
+        if not 0 <= layer < self.num_layers:
+            return
+        self._ensure(task, layer)
+        task.watched = layer
+        if task.landed(layer):
+            task.loop.call_soon(_dispatch, self._ref, task.key, layer, 1)
+        else:  # not behind the notify stream's op ends: a stream of its own per direction
+            self._notify(task, layer, 1, self._watchers[id(task.notify)])
 
     def _ensure(self, task: CudaTask, layer: int) -> None:
         """Layer ``layer`` of ``task`` (and all before it) is enqueued."""
@@ -370,6 +455,7 @@ class CudaBackend:
         """
         task = self._task(handle)
         if not task.finished:
+            task.limit = task.layers_reported()  # nothing past what has landed by now
             task.cancelled = True
 
     def wait_layer(self, stream: object, handle: object, layer: int) -> None:
@@ -382,7 +468,7 @@ class CudaBackend:
         if task.finished:
             return  # the GPU is past every layer of it
         self._ensure(task, layer)
-        stream.wait_event(task.events[layer])
+        self._wait(stream, task, layer)
 
     def layer_event(self, handle: object, layer: int) -> object | None:
         """The CUDA event recorded after layer ``layer`` (``None`` once the op has finished)."""
@@ -390,13 +476,21 @@ class CudaBackend:
         if task.finished:
             return None
         self._ensure(task, layer)
-        return task.events[layer]
+        if task.words is None:
+            return task.events[layer]
+        if self._event_stream is None:  # an event after the word (rare: tests, tools)
+            self._event_stream = self._cp.cuda.Stream(non_blocking=True)
+        self._wait(self._event_stream, task, layer)
+        ev = self._cp.cuda.Event(disable_timing=True)
+        ev.record(self._event_stream)
+        return ev
 
     def synchronize(self) -> None:
         """Block until both streams are idle (tests, shutdown; never on the hot path)."""
         self._flush_tails()
         for s in (self.load_stream, self.store_stream, self._load_notify, self._store_notify,
-                  getattr(self.h2d, "tail", None), getattr(self.d2h, "head", None)):
+                  *self._watchers.values(), getattr(self.h2d, "tail", None),
+                  getattr(self.d2h, "head", None)):
             if s is not None:
                 s.synchronize()
 
@@ -428,7 +522,8 @@ class CudaBackend:
         return events
 
     def _release_events(self, events: list[object]) -> None:
-        self._event_pool.extend(events)
+        if events:  # (a unit's layers share one event: ``submit``)
+            self._event_pool.extend(events[::self.layers_per_launch])
 
     @staticmethod
     def _task(handle: object) -> CudaTask:

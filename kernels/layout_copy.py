@@ -36,7 +36,7 @@ import numpy as np
 
 from kernels._cuda import cupy_module
 from kernels.dma import BatchMemcpy, batch_memcpy_unavailable_reason
-from kernels.layout_plan import plan_chunks, staging_table
+from kernels.layout_plan import fixed_tables, merges_none, plan_chunks, staging_table
 from kernels.plan import FAST_IDS, role_table, validate_ids
 from kernels.staging import SlabAllocator, Slice
 from kvflow.host_layout import HostGeometry
@@ -87,11 +87,12 @@ class StagingRing:
 class PreparedGroups:
     """A validated op: its kernel id pairs (staged) and, per group, its copy descriptors."""
 
-    __slots__ = ("_release", "bounds", "chunks", "host", "ids_ptr", "sizes", "stage")
+    __slots__ = ("_release", "bounds", "chunks", "host", "host_addr", "ids_ptr", "sizes",
+                 "stage")
 
     def __init__(self, chunks: list[tuple[int, int]], ids_ptr: int,
                  release: Callable[[], None] | None, bounds: list[int],
-                 host: np.ndarray, stage: np.ndarray, sizes: np.ndarray) -> None:
+                 host: np.ndarray, stage: np.ndarray | None, sizes: np.ndarray | None) -> None:
         self.chunks = chunks      # (first position, blocks) of each chunk
         self.ids_ptr = ids_ptr    # int32 pairs for the kernel, chunk after chunk
         self._release = release
@@ -99,6 +100,13 @@ class PreparedGroups:
         self.host = host          # [group, run]: host address of each run (uint64)
         self.stage = stage        # [group, run]: offset of each run inside its slot
         self.sizes = sizes        # [group, run]: bytes of each run
+        # ``stage``/``sizes`` None: one block per run at its chunk position (the copier's
+        # ``FixedTables`` hold them); ``host`` is then contiguous from ``host_addr``.
+        self.host_addr = 0
+        if stage is None:
+            if not host.flags.c_contiguous:  # rows are handed to the driver by address
+                raise ValueError("a scattered plan's host addresses must be C-contiguous")
+            self.host_addr = int(host.ctypes.data)
 
     def release(self) -> None:
         rel, self._release = self._release, None
@@ -165,6 +173,10 @@ class GroupedCopier:
         self._ids_ptr = int(self._ids_mem.ptr)
         self._ids_i32 = np.ndarray((self._slabs.capacity // 4,), np.int32, self._ids_mem)
         self._warned_full = False
+        self._fixed = fixed_tables(geo, host_ptr, self.ring.base, self.ring.slot_bytes, slots,
+                                   self.per_chunk)
+        self._fixed_stage_ptr = int(self._fixed.stage.ctypes.data)
+        self._fixed_sizes_ptr = int(self._fixed.sizes.ctypes.data)
         #: A benchmark's diagnostic only: move the pieces but skip the D2D step (what the
         #: copies alone cost); the bytes then never reach their destination.
         self.skip_kernel = False
@@ -179,6 +191,10 @@ class GroupedCopier:
         if n == 0:
             empty = np.zeros((len(self.groups), 0), dtype=np.uint64)
             return PreparedGroups([], 0, None, [0], empty, empty, empty)
+        if type(src) is list:
+            fast = self._prepare_scattered(src, dst)  # type: ignore[arg-type]
+            if fast is not None:
+                return fast
         plan = plan_chunks(self.geo, self.host_ptr, src, dst, self.per_chunk, self.to_device)
         handle, buf, ptr = self._stage(n)
         buf[:] = plan.pairs
@@ -189,6 +205,33 @@ class GroupedCopier:
             release = lambda: handle  # noqa: E731  (the closure keeps the pool memory)
         return PreparedGroups(plan.chunks, ptr, release, plan.bounds, plan.host, plan.stage,
                               plan.sizes)
+
+    def _prepare_scattered(self, src: list[int], dst: list[int]) -> PreparedGroups | None:
+        """``prepare`` of validated lists where no two neighbours in a chunk have consecutive
+        host ids (each block its own descriptor): a gather of host addresses and the
+        kernel's pairs; staging addresses and sizes come from the fixed tables."""
+        m, n = self.per_chunk, len(src)
+        host = src if self.to_device else dst
+        if not merges_none(host, m):
+            return None
+        pairs = [0] * (2 * n)
+        if self.to_device:
+            pairs[0::2] = [i % m for i in range(n)] if n > m else range(n)
+            pairs[1::2] = dst
+        else:
+            pairs[0::2] = src
+            pairs[1::2] = [i % m for i in range(n)] if n > m else range(n)
+        handle, buf, ptr = self._stage(n)
+        buf[:] = pairs
+        if isinstance(handle, Slice):
+            slabs = self._slabs
+            release: Callable[[], None] = lambda: slabs.free(handle)  # noqa: E731
+        else:
+            release = lambda: handle  # noqa: E731  (the closure keeps the pool memory)
+        chunks = [(c, min(m, n - c)) for c in range(0, n, m)]
+        bounds = [*range(0, n, m), n]
+        return PreparedGroups(chunks, ptr, release, bounds, self._fixed.gather(host), None,
+                              None)
 
     def _validate(self, src_ids: Sequence[int] | np.ndarray,
                   dst_ids: Sequence[int] | np.ndarray
@@ -245,13 +288,11 @@ class GroupedCopier:
             for c, (p0, nb) in enumerate(prep.chunks):
                 k = self.ring.acquire(head)
                 a, b = prep.bounds[c], prep.bounds[c + 1]
-                slot = np.uint64(self.ring.base + k * self.ring.slot_bytes)
-                stage = prep.stage[g][a:b] + slot
-                host = prep.host[g][a:b]
+                descs = self._descriptors(prep, g, a, b, k)
                 args = (self._table_ptr, self._roles_ptr, self.num_roles, self.chunks_per_block,
                         k * L + first, count, prep.ids_ptr + 8 * p0, nb)
                 if self.to_device:
-                    self._copy(stage, host, prep.sizes[g][a:b], head)
+                    self._copy(descs[1], descs[0], descs[2], b - a, head)
                     self.ring.ready[k].record(head)
                     tail.wait_event(self.ring.ready[k])  # type: ignore[attr-defined]
                     if not self.skip_kernel:
@@ -261,18 +302,46 @@ class GroupedCopier:
                         self.kernels.launch(head.ptr, c_ctas, args)  # type: ignore[attr-defined]
                     self.ring.ready[k].record(head)
                     tail.wait_event(self.ring.ready[k])  # type: ignore[attr-defined]
-                    self._copy(host, stage, prep.sizes[g][a:b], tail)
+                    self._copy(descs[0], descs[1], descs[2], b - a, tail)
                 self.ring.release(k, tail)
 
-    def _copy(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray,
-              stream: object) -> None:
-        if self._batch is not None:  # (rows of the plan's arrays: contiguous already)
-            self._batch.enqueue_at(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data,
-                                   int(dsts.size), stream.ptr)  # type: ignore[attr-defined]
+    def _descriptors(self, prep: PreparedGroups, g: int, a: int, b: int,
+                     k: int) -> tuple[int | np.ndarray, int | np.ndarray, int | np.ndarray]:
+        """(host, staging, sizes) of runs ``[a, b)`` of group ``g`` in slot ``k``: addresses of
+        contiguous uint64 entries (scattered preps, batched copies) or arrays."""
+        if prep.stage is None:
+            G, m = len(self.groups), self.per_chunk
+            n = prep.host.shape[1]
+            host = prep.host_addr + 8 * (g * n + a)
+            stage = self._fixed_stage_ptr + 8 * ((k * G + g) * m)
+            sizes = self._fixed_sizes_ptr + 8 * (g * m)
+            if self._batch is not None:
+                return host, stage, sizes
+            return (prep.host[g][a:b], self._fixed.stage[k, g, : b - a],
+                    self._fixed.sizes[g, : b - a])
+        slot = np.uint64(self.ring.base + k * self.ring.slot_bytes)
+        return prep.host[g][a:b], prep.stage[g][a:b] + slot, prep.sizes[g][a:b]
+
+    def _copy(self, dsts: int | np.ndarray, srcs: int | np.ndarray, sizes: int | np.ndarray,
+              n: int, stream: object) -> None:
+        """``n`` copies; the descriptors as addresses of contiguous uint64 entries or arrays."""
+        if self._batch is not None:
+            if isinstance(dsts, np.ndarray):  # (rows of the plan's arrays: contiguous already)
+                dsts, srcs, sizes = (dsts.ctypes.data, srcs.ctypes.data,  # type: ignore[union-attr]
+                                     sizes.ctypes.data)  # type: ignore[union-attr]
+            self._batch.enqueue_at(dsts, srcs, sizes, n, stream.ptr)  # type: ignore
             return
         rt = self._cp.cuda.runtime  # fallback: one memcpy per run
-        for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
+        for d, s, z in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(),  # type: ignore
+                           strict=True):
             rt.memcpyAsync(d, s, z, _MEMCPY_DEFAULT, stream.ptr)  # type: ignore[attr-defined]
+
+    #: Grouped ops keep an event per layer (a chunk's copy, scatter and slot events):
+    #: no single signalling launch moves them.
+    progress = None
+
+    def signals(self, prep: PreparedGroups) -> bool:
+        return False
 
     def copy(self, src_ids: Sequence[int] | np.ndarray, dst_ids: Sequence[int] | np.ndarray,
              stream: object | None = None) -> PreparedGroups:

@@ -15,20 +15,28 @@
 // Work is split into units of (layer, block, chunk), chunks running across the
 // roles of a block; warps take units grid-stride, layer-major, so with several
 // layers in one launch the early layers finish first.
+//
+// kvflow_swap_blocks_signal does the same and reports each layer as it lands,
+// so one launch can carry a whole op and still give per-layer completion
+// (kernels/swap.py, "one launch per op"): every warp arrives on a per-layer
+// counter once it is past that layer (its stores fenced first); the last of
+// the grid's warps resets the counter and writes the op's sequence number into
+// the layer's progress word twice: in device memory, where a stream waits on it
+// (cuStreamWaitValue32: the GPU polls its own memory, not PCIe, which the copy
+// saturates), and in pinned host memory, where the host reads it without a CUDA call.
 #include "swap_copy.cuh"
 
 using namespace kvflow;
 
-extern "C" __global__ void __launch_bounds__(1024, 1)
-kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src base, dst base,
-                                           //   src block stride, dst block stride (bytes)
-                   const u64 roles_addr,   // i64 [num_roles][2]: bytes per block, first chunk
-                   const i64 num_roles,
-                   const i64 chunks_per_block,
-                   const i64 layer_begin,
-                   const i64 num_layers,
-                   const u64 ids_addr,     // int2 [num_blocks]: (src id, dst id)
-                   const i64 num_blocks) {
+// The shared body: Signal=true adds the per-layer arrivals (see the header).
+template <bool Signal>
+__device__ __forceinline__ void swap_body(const u64 table_addr, const u64 roles_addr,
+                                          const i64 num_roles, const i64 chunks_per_block,
+                                          const i64 layer_begin, const i64 num_layers,
+                                          const u64 ids_addr, const i64 num_blocks,
+                                          unsigned* __restrict__ counters,
+                                          volatile unsigned* dev_flags,
+                                          volatile unsigned* flags, const unsigned seq) {
   __shared__ i64 s_bytes[kMaxRoles];
   __shared__ i64 s_first[kMaxRoles];
   const u64* __restrict__ table = reinterpret_cast<const u64*>(table_addr);
@@ -46,6 +54,25 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src ba
   const i64 num_warps = warps_per_cta * gridDim.x;
   const i64 per_layer = num_blocks * chunks_per_block;
   const i64 total = per_layer * num_layers;
+  // Signal: layers [0, arrived) of this launch are counted for this warp.
+  i64 arrived = 0;
+  auto arrive = [&](i64 upto) {
+    if (arrived >= upto) return;
+    __threadfence();  // this lane's stores before the arrival
+    __syncwarp();
+    if (lane == 0) {
+      for (; arrived < upto; ++arrived) {
+        const unsigned old = atomicAdd(counters + arrived, 1u);
+        if (old == static_cast<unsigned>(num_warps - 1)) {  // the grid's last warp
+          counters[arrived] = 0u;  // the next launch (stream-ordered) starts from 0
+          __threadfence_system();
+          dev_flags[arrived] = seq;
+          flags[arrived] = seq;
+        }
+      }
+    }
+    arrived = upto;
+  };
 
   i64 u = blockIdx.x * warps_per_cta + threadIdx.x / kWarpSize;
   int2 pair = make_int2(0, 0);
@@ -57,6 +84,7 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src ba
     if (un < total) next = ids[(un % per_layer) / chunks_per_block];
 
     const i64 layer = u / per_layer;
+    if (Signal) arrive(layer);  // past every earlier layer
     const i64 c = (u - layer * per_layer) % chunks_per_block;
     int r = 0;
 #pragma unroll
@@ -74,4 +102,36 @@ kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src ba
                     static_cast<int>(len / kVecBytes), lane);
     pair = next;
   }
+  if (Signal) arrive(num_layers);
+}
+
+extern "C" __global__ void __launch_bounds__(1024, 1)
+kvflow_swap_blocks(const u64 table_addr,   // u64 [layers][num_roles][4]: src base, dst base,
+                                           //   src block stride, dst block stride (bytes)
+                   const u64 roles_addr,   // i64 [num_roles][2]: bytes per block, first chunk
+                   const i64 num_roles,
+                   const i64 chunks_per_block,
+                   const i64 layer_begin,
+                   const i64 num_layers,
+                   const u64 ids_addr,     // int2 [num_blocks]: (src id, dst id)
+                   const i64 num_blocks) {
+  swap_body<false>(table_addr, roles_addr, num_roles, chunks_per_block, layer_begin, num_layers,
+                   ids_addr, num_blocks, nullptr, nullptr, nullptr, 0u);
+}
+
+// As kvflow_swap_blocks, then layer i (of this launch) done: dev_flags[i] = flags[i] = seq.
+extern "C" __global__ void __launch_bounds__(1024, 1)
+kvflow_swap_blocks_signal(const u64 table_addr, const u64 roles_addr, const i64 num_roles,
+                          const i64 chunks_per_block, const i64 layer_begin,
+                          const i64 num_layers, const u64 ids_addr, const i64 num_blocks,
+                          const u64 counters_addr,  // u32 [num_layers], device, zero between
+                                                    //   launches (the kernel leaves it so)
+                          const u64 dev_flags_addr, // u32 [num_layers], device
+                          const u64 flags_addr,     // u32 [num_layers], pinned host
+                          const u64 seq) {
+  swap_body<true>(table_addr, roles_addr, num_roles, chunks_per_block, layer_begin, num_layers,
+                  ids_addr, num_blocks, reinterpret_cast<unsigned*>(counters_addr),
+                  reinterpret_cast<volatile unsigned*>(dev_flags_addr),
+                  reinterpret_cast<volatile unsigned*>(flags_addr),
+                  static_cast<unsigned>(seq));
 }

@@ -453,7 +453,8 @@ def test_deferred_layers_enqueue_on_demand_in_stream_order() -> None:
     spec = SPECS["mha-bf16"]
     L = spec.num_layers
     rng = np.random.default_rng(5)
-    backend = CudaBackend(spec, 64, 64, eager_layers=1)
+    # (per-layer launches: with one_launch, a kernel-path op is whole at submit)
+    backend = CudaBackend(spec, 64, 64, eager_layers=1, one_launch=False)
     fill_random(backend, rng)
     compute = cp.cuda.Stream(non_blocking=True)
     dev = rng.permutation(64)[:12].tolist()

@@ -4,6 +4,8 @@ must move exactly the bytes the host layout's offsets name, both ways."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -124,3 +126,43 @@ def test_round_trip_through_the_staging_ring(layout: HostLayout, layers: int,
                 host_piece(expect, b, layer, r)[:] = host_piece(host0, h, layer, r)
     run_op(geo, host, mem, dev_bases, ring, slot_bytes, slots, dev_ids, back, per_chunk, False)
     assert np.array_equal(host, expect)
+
+
+def test_fixed_tables_give_the_plan_of_a_scattered_op() -> None:
+    """Where no neighbours in a chunk have consecutive host ids, the fixed tables (a gather
+    of host addresses, staging slots' positions, the group's piece size) are exactly
+    ``plan_chunks``' descriptors, chunk by chunk and slot by slot."""
+    from kernels.layout_plan import fixed_tables, merges_none
+
+    geo = HostGeometry(HostLayout.parse("grouped:3"), 8, 50, (48, 16))
+    ring, slot_bytes, slots = 1 << 30, 4096, 3
+    m = slot_bytes // max(geo.piece_bytes(g) for g in range(len(geo.groups)))
+    fixed = fixed_tables(geo, 7 << 20, ring, slot_bytes, slots, m)
+    rng = np.random.default_rng(2)
+    checked = 0
+    for _ in range(40):
+        src = rng.permutation(50)[:20].tolist()
+        dst = rng.permutation(50)[:20].tolist()
+        if not merges_none(src, m):
+            continue
+        plan = plan_chunks(geo, 7 << 20, src, dst, m, True)
+        assert plan.bounds == [*range(0, 20, m), 20]
+        hosts = fixed.gather(src)
+        np.testing.assert_array_equal(plan.host, hosts)
+        # the copier reads group g's runs [a, b) from address host_addr + 8 * (g * n + a):
+        # the gathered array must be C-ordered (``fixed.host[:, src]`` is Fortran-ordered,
+        # which sent group 1's copies to other blocks' pieces on the GPU)
+        raw = np.ctypeslib.as_array((ctypes.c_uint64 * hosts.size).from_address(
+            hosts.ctypes.data))
+        n = len(src)
+        for g in range(hosts.shape[0]):
+            assert raw[g * n: (g + 1) * n].tolist() == plan.host[g].tolist()
+        for c, (_p0, nb) in enumerate(plan.chunks):
+            a, b = plan.bounds[c], plan.bounds[c + 1]
+            k = c % slots
+            np.testing.assert_array_equal(plan.stage[:, a:b] + np.uint64(ring + k * slot_bytes),
+                                          fixed.stage[k, :, :nb])
+            np.testing.assert_array_equal(plan.sizes[:, a:b], fixed.sizes[:, :nb])
+        checked += 1
+    assert checked > 10
+    assert not merges_none([4, 5], 2) and merges_none([4, 5], 1) and merges_none([5, 4], 2)
