@@ -169,8 +169,11 @@ def test_lazy_sink_gets_the_layer_it_watches_then_the_end(one_launch: bool) -> N
         assert task.layers_reported() == 0  # the spin holds it back
         task.watch(1)
         await sink.got.wait()
-        # layer 1's report first (the op's end may follow it at once: a small op)
-        assert sink.reported[0] == 1 and task.layers_reported() >= 2
+        # layer 1's report first (the op's end may follow it at once: a small op). One
+        # launch lands the whole op at once: the watcher's host function and the end's
+        # run on different streams and may come in either order (seen on the H100).
+        first = (1, L - 1) if one_launch else (1,)
+        assert sink.reported[0] in first and task.layers_reported() >= 2
         with compute:
             backend.wait_layer(compute, task, L - 1)
             got = [backend.device_kv(layer, "k")[dst].copy() for layer in range(L)]
@@ -182,7 +185,10 @@ def test_lazy_sink_gets_the_layer_it_watches_then_the_end(one_launch: bool) -> N
         sink, got = runner.run(main())
     compute.synchronize()
     assert sink.error is None
-    assert sink.reported == [1, L - 1]  # the watched layer, then the end
+    # the watched layer, then the end (one launch: the end may come first, and then
+    # the watcher's late report is dropped, the op being finished)
+    ends = ([1, L - 1], [L - 1]) if one_launch else ([1, L - 1],)
+    assert sink.reported in ends
     for layer in range(L):
         np.testing.assert_array_equal(cp.asnumpy(got[layer]),
                                       backend.host_kv(layer, "k")[src])
