@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvflow.errors import NotEnoughBlocks
-from kvflow.index_core import NO_INFLIGHT
 from kvflow.plans import DEVICE, HOST, REMOTE_KINDS, STORAGE, OpKind, Plan, Reservation, TransferOp
 from kvflow.radix import FILLING, READY, Node, Tier
 
@@ -121,7 +120,11 @@ class PlanningMixin:
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
             raise NotEnoughBlocks(needed, len(dev_ids))
-        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
+        # Every hit counts and is stamped (in the core); device_ids starts as their
+        # device blocks, and each one not on the device gets its block below.
+        now = self.stats.plans + 1
+        device_ids, filling = index.use(matched, now)
+        plan = Plan(request_id, keys, matched, device_ids, tiers, ops, [], [], [], [])
 
         # Three swap-in groups, one op each, so that a prefetch cut short only
         # fails the blocks that depended on it: host hits, storage hits staged
@@ -129,34 +132,34 @@ class PlanningMixin:
         from_host: list[Node] = []
         staged: list[Node] = []
         direct: list[Node] = []
-        device_ids = plan.device_ids
         shared = plan.shared
-        now = self.stats.plans + 1
-        for n, t in zip(matched, tiers, strict=True):
-            n.hits += 1
-            n.last_access = now
-            if t == DEVICE:
-                device_ids.append(n.loc[0])
-                op = n.inflight[0]
-                if n.state[0] == FILLING and op is not None and op not in shared:
-                    shared.append(op)  # type: ignore[arg-type]
-                    op.sharers.append(plan)  # type: ignore[attr-defined]
-                continue
-            d = dev_ids.pop()
-            device_ids.append(d)
-            index.set_copy(n, DEVICE, d, FILLING)
-            if t == HOST:
-                from_host.append(n)
-                # A host copy still being filled by another plan's op: ours reads after it.
-                op = n.inflight[1]
-                if op is not None and op not in shared:
-                    shared.append(op)  # type: ignore[arg-type]
-                    op.sharers.append(plan)  # type: ignore[attr-defined]
-            elif host_ids:
-                index.set_copy(n, HOST, host_ids.pop(), FILLING)
-                staged.append(n)
-            else:
-                direct.append(n)
+        if filling or tiers.count(DEVICE) != len(tiers):
+            loading = set(filling)  # device copies another plan's op is filling
+            for i, t in enumerate(tiers):
+                n = matched[i]
+                if t == DEVICE:
+                    if i in loading:
+                        op = n.inflight[0]
+                        if op is not None and op not in shared:
+                            shared.append(op)  # type: ignore[arg-type]
+                            op.sharers.append(plan)  # type: ignore[attr-defined]
+                    continue
+                d = dev_ids.pop()
+                device_ids[i] = d
+                index.set_copy(n, DEVICE, d, FILLING)
+                if t == HOST:
+                    from_host.append(n)
+                    # A host copy still being filled by another plan's op: ours reads
+                    # after it.
+                    op = n.inflight[1]
+                    if op is not None and op not in shared:
+                        shared.append(op)  # type: ignore[arg-type]
+                        op.sharers.append(plan)  # type: ignore[attr-defined]
+                elif host_ids:
+                    index.set_copy(n, HOST, host_ids.pop(), FILLING)
+                    staged.append(n)
+                else:
+                    direct.append(n)
         if staged:
             self._op(OpKind.PREFETCH, STORAGE, HOST, staged, ops, plan)
         for src, nodes in ((HOST, from_host), (HOST, staged),
@@ -189,14 +192,10 @@ class PlanningMixin:
 
     def _op(self, kind: OpKind, src: Tier, dst: Tier, nodes: list[Node],
             ops: list[TransferOp], plan: Plan | None) -> TransferOp:
-        op = TransferOp(next(self._op_ids), kind, src, dst,
-                        [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
-                        [n.key for n in nodes], nodes, plan)
-        for n in nodes:  # set_inflight, inline (every block of every op comes through here)
-            inflight = n.inflight
-            if inflight is NO_INFLIGHT:
-                n.inflight = inflight = [None, None, None]
-            inflight[dst] = op
+        index = self.index  # (every block of every op comes through here: the core's loops)
+        src_ids, dst_ids, keys = index.columns(nodes, src, dst)
+        op = TransferOp(next(self._op_ids), kind, src, dst, src_ids, dst_ids, keys, nodes, plan)
+        index.set_inflight_all(nodes, dst, op)
         self.inflight[op.op_id] = op
         ops.append(op)
         return op

@@ -11,7 +11,9 @@
   equal.
 * ``test_core_calls_match``: random call sequences straight on the two cores, through a
   ``PrefixIndex`` of each kind, including calls the manager never makes (misuse that
-  raises: both must raise the same error and leave the same state).
+  raises: both must raise the same error and leave the same state), and the per-op
+  loops (``land``, ``backups``, ``fill``, ``columns``, ``set_inflight_all``, ``use``)
+  on nodes in any state.
 
 ``KVFLOW_EQUIV_EXAMPLES`` / ``KVFLOW_EQUIV_STEPS`` scale the examples and steps (for
 fuzzing well past the committed settings, with ``--hypothesis-seed``).
@@ -493,6 +495,13 @@ core_calls = st.one_of(
     st.tuples(st.just("victims"), TIER, st.booleans(), st.integers(0, 255)),
     st.tuples(st.just("take_victims"), TIER, st.integers(-1, 7), st.integers(0, 2)),
     st.tuples(st.just("poke"), HANDLE, TIER, st.sampled_from([ABSENT, READY, FILLING, COMPUTING])),
+    # The per-op loops (csrc/core_bulk.c), on any nodes in any states.
+    st.tuples(st.just("land"), SEL, TIER, st.sampled_from([*OPS, None])),
+    st.tuples(st.just("backups"), SEL, TIER, st.sampled_from([-1, 0, 1, 2]), st.integers(0, 2)),
+    st.tuples(st.just("fill"), SEL, TIER, st.integers(-1, 1)),
+    st.tuples(st.just("columns"), SEL, TIER, TIER),
+    st.tuples(st.just("set_inflight_all"), SEL, TIER, st.sampled_from([*OPS, None])),
+    st.tuples(st.just("use"), SEL, st.integers(0, 9)),
 )
 
 
@@ -671,6 +680,24 @@ def _run_core_call(pair, call):
                     out.append(idx[s].drop_copy(n, tier))
             return out
         both(take)
+    elif kind in ("land", "backups", "columns", "set_inflight_all", "use"):
+        sel, *rest = a
+        sel = pair.pick(sel)
+        if kind == "land":  # (land's op comes first)
+            rest = [rest[1], rest[0]]
+            out = both(lambda s: idx[s].land(rest[0], sel[s], rest[1]),
+                       lambda ns: [n.key for n in ns])
+        else:
+            out = both(lambda s: getattr(idx[s], kind)(sel[s], *rest),
+                       (lambda ns: [n.key for n in ns]) if kind == "backups" else
+                       (lambda x: x))
+        if out is not None and kind in ("land", "backups"):
+            nodes_result(out)
+    elif kind == "fill":
+        sel, tier, extra = a
+        sel = pair.pick(sel)
+        ids = list(range(50, 50 + max(0, len(sel[0]) + extra)))  # (a wrong count: ValueError)
+        both(lambda s: idx[s].fill(sel[s], tier, ids))
     elif kind == "set_inflight":
         h, tier, op = a
         node = pair.one(h)

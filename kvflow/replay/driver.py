@@ -30,6 +30,7 @@ from typing import Any
 from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
+from kvflow.headroom import AccessLog, new_access_log
 from kvflow.manager import CacheManager, TransferOp
 from kvflow.replay.aggregate import Finished, RequestsCsv
 from kvflow.replay.config import (
@@ -92,11 +93,15 @@ def run_replay(cfg: ReplayConfig,
             cfg = dataclasses.replace(cfg, instances=1)
         setup = resolve(cfg)
         manager = make_manager(cfg, setup.capacities, setup)
+        # The headroom section's accesses, taken as the replay reads each request
+        # (instead of a second pass over the trace for the report).
+        accesses = new_access_log(setup.capacities.device) \
+            if cfg.headroom and cfg.instances == 1 else None
         with _few_full_collections():
-            body = _replay_cache(setup, manager, progress)
+            body = _replay_cache(setup, manager, progress, accesses)
         if inspect is not None:
             inspect(manager, None)
-        return assemble_report(cfg, setup, manager, body, t0)
+        return assemble_report(cfg, setup, manager, body, t0, accesses)
     if world is None:
         options = {k: v for k, v in (("executor", cfg.executor), ("store", cfg.store)) if v}
         world = load_world(cfg.backend, **options)
@@ -147,7 +152,8 @@ def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
 
 
 def _replay_cache(setup: Setup, manager: CacheManager,
-                  progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+                  progress: Callable[[int, int], None] | None,
+                  accesses: AccessLog | None = None) -> dict[str, Any]:
     hits = [0, 0, 0]
     blocks = rejected = 0
     cap = setup.capacities.device
@@ -162,8 +168,12 @@ def _replay_cache(setup: Setup, manager: CacheManager,
             hits[t] += plan.hits(t)
         blocks += len(req.keys)
         rejected += len(req.keys) > cap
+        if accesses is not None:
+            accesses.add(req.keys)
         if progress is not None and (i % 256 == 0 or i + 1 == total):
             progress(i + 1, total)
+    if accesses is not None:
+        accesses.finish()
     return {
         "requests": total, "rejected": 0, "truncated": rejected,
         "hit_rate": hit_rates(hits, blocks),
