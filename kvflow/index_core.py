@@ -320,16 +320,53 @@ class Core:
                 n.inflight = inflight = [None, None, None]
             inflight[tier] = op  # type: ignore[index]
 
-    def use(self, nodes: Sequence[Node], now: int) -> tuple[list[int], list[int]]:
-        """A plan uses ``nodes`` (its cached prefix): one more hit each, last used at
-        ``now``. Returns their device block ids (-1 where none) and the positions of
-        those whose device copy is still FILLING (a load another plan shares)."""
-        locs: list[int] = []
-        filling: list[int] = []
-        for i, n in enumerate(nodes):
+    def admit(self, nodes: Sequence[Node], tiers: Sequence[int], now: int,
+              dev_ids: list[int], host_ids: list[int]
+              ) -> tuple[list[int], list[Node], list[Node], list[Node], list[int]]:
+        """A plan takes its cached prefix ``nodes`` (``tiers``: each one's best tier):
+        one more hit each, last used at ``now``; each not on the device gets a FILLING
+        device copy in a block popped from ``dev_ids``, and each only in storage a
+        FILLING host copy from ``host_ids`` while it lasts (staged through host).
+
+        Returns the plan's device block per node; the host hits (loaded from host),
+        the staged storage hits and the rest of them (read straight to the device);
+        and the positions of the nodes whose copy is being filled by an op another
+        plan started (a device copy, or the host copy a host hit reads), for the
+        plan to share, in order. A node with a copy already where it gets one is an
+        AssertionError (raised before its block is popped).
+        """
+        if len(tiers) != len(nodes):
+            raise ValueError(f"admit: {len(nodes)} nodes but {len(tiers)} tiers")
+        device_ids: list[int] = []
+        from_host: list[Node] = []
+        staged: list[Node] = []
+        direct: list[Node] = []
+        waits: list[int] = []
+
+        def fill(n: Node, tier: int, ids: list[int]) -> int:
+            if n.state[tier] != ABSENT:
+                raise AssertionError(f"admit: {n!r} already has a copy on tier {tier}")
+            b = ids.pop()
+            n.loc[tier] = b
+            n.state[tier] = FILLING
+            return b
+
+        for i, (n, t) in enumerate(zip(nodes, tiers, strict=True)):
             n.hits += 1
             n.last_access = now
-            locs.append(n.loc[0])
-            if n.state[0] == FILLING:
-                filling.append(i)
-        return locs, filling
+            if t == 0:
+                device_ids.append(n.loc[0])
+                if n.state[0] == FILLING:
+                    waits.append(i)
+                continue
+            device_ids.append(fill(n, 0, dev_ids))
+            if t == 1:
+                from_host.append(n)
+                if n.inflight[1] is not None:
+                    waits.append(i)
+            elif host_ids:
+                fill(n, 1, host_ids)
+                staged.append(n)
+            else:
+                direct.append(n)
+        return device_ids, from_host, staged, direct, waits

@@ -120,46 +120,21 @@ class PlanningMixin:
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
             raise NotEnoughBlocks(needed, len(dev_ids))
-        # Every hit counts and is stamped (in the core); device_ids starts as their
-        # device blocks, and each one not on the device gets its block below.
-        now = self.stats.plans + 1
-        device_ids, filling = index.use(matched, now)
-        plan = Plan(request_id, keys, matched, device_ids, tiers, ops, [], [], [], [])
-
         # Three swap-in groups, one op each, so that a prefetch cut short only
         # fails the blocks that depended on it: host hits, storage hits staged
         # through host, and storage hits read straight to device (no host tier).
-        from_host: list[Node] = []
-        staged: list[Node] = []
-        direct: list[Node] = []
+        # The core counts and stamps each hit and gives those off the device their
+        # copies (FILLING); the plan shares the loads other plans have in flight.
+        now = self.stats.plans + 1
+        device_ids, from_host, staged, direct, waits = index.admit(matched, tiers, now,
+                                                                   dev_ids, host_ids)
+        plan = Plan(request_id, keys, matched, device_ids, tiers, ops, [], [], [], [])
         shared = plan.shared
-        if filling or tiers.count(DEVICE) != len(tiers):
-            loading = set(filling)  # device copies another plan's op is filling
-            for i, t in enumerate(tiers):
-                n = matched[i]
-                if t == DEVICE:
-                    if i in loading:
-                        op = n.inflight[0]
-                        if op is not None and op not in shared:
-                            shared.append(op)  # type: ignore[arg-type]
-                            op.sharers.append(plan)  # type: ignore[attr-defined]
-                    continue
-                d = dev_ids.pop()
-                device_ids[i] = d
-                index.set_copy(n, DEVICE, d, FILLING)
-                if t == HOST:
-                    from_host.append(n)
-                    # A host copy still being filled by another plan's op: ours reads
-                    # after it.
-                    op = n.inflight[1]
-                    if op is not None and op not in shared:
-                        shared.append(op)  # type: ignore[arg-type]
-                        op.sharers.append(plan)  # type: ignore[attr-defined]
-                elif host_ids:
-                    index.set_copy(n, HOST, host_ids.pop(), FILLING)
-                    staged.append(n)
-                else:
-                    direct.append(n)
+        for i in waits:  # a copy still being filled by another plan's op: ours reads after it
+            op = matched[i].inflight[0 if tiers[i] == DEVICE else 1]
+            if op is not None and op not in shared:
+                shared.append(op)  # type: ignore[arg-type]
+                op.sharers.append(plan)  # type: ignore[attr-defined]
         if staged:
             self._op(OpKind.PREFETCH, STORAGE, HOST, staged, ops, plan)
         for src, nodes in ((HOST, from_host), (HOST, staged),

@@ -117,7 +117,7 @@ class PrefixIndex:
     calls (``match``, ``ref_all``, ``best_tiers``, ``add_computing``,
     ``mark_computed``, ``release``, ``computing_on_device``, ``drop_front``) and the
     per-op ones (``land``, ``backups``, ``fill``, ``columns``, ``set_inflight_all``,
-    ``use``) are the core's, documented in ``kvflow.index_core.Core``; the rest, per node
+    ``admit``) are the core's, documented in ``kvflow.index_core.Core``; the rest, per node
     and off the common path, are here and work on either core's nodes. The
     core takes ``policies`` at construction: they are fixed for the index's life.
     """
@@ -165,7 +165,7 @@ class PrefixIndex:
         self.take_victims: Callable[[int, int, list[int]], None] = (
             getattr(c, "take_victims", None) or self._take_victims)
         # The per-op loops (``land``, ``backups``, ``fill``, ``columns``,
-        # ``set_inflight_all``, ``use``: see ``kvflow.index_core.Core``); a native
+        # ``set_inflight_all``, ``admit``: see ``kvflow.index_core.Core``); a native
         # core built before them runs the Python ones over its nodes.
         py = c if not native else index_core.Core(self.nodes, self.policies,
                                                   self.unreferenced, self.tiers)
@@ -180,8 +180,8 @@ class PrefixIndex:
             getattr(c, "columns", None) or py.columns
         self.set_inflight_all: Callable[[Sequence[Node], int, object], None] = \
             getattr(c, "set_inflight_all", None) or py.set_inflight_all
-        self.use: Callable[[Sequence[Node], int], tuple[list[int], list[int]]] = \
-            getattr(c, "use", None) or py.use
+        self.admit: Callable[..., tuple[list[int], list[Node], list[Node], list[Node],
+                                        list[int]]] = getattr(c, "admit", None) or py.admit
 
     # -- lookup -------------------------------------------------------------
     def get(self, key: Hashable) -> Node | None:

@@ -466,7 +466,7 @@ static PyObject *Core_backups(CoreObject *c, PyObject *args);
 static PyObject *Core_fill(CoreObject *c, PyObject *args);
 static PyObject *Core_columns(CoreObject *c, PyObject *args);
 static PyObject *Core_set_inflight_all(CoreObject *c, PyObject *args);
-static PyObject *Core_use(CoreObject *c, PyObject *args);
+static PyObject *Core_admit(CoreObject *c, PyObject *args);
 
 static PyMethodDef Core_methods[] = {
     {"match", (PyCFunction)Core_match, METH_O, NULL},
@@ -486,7 +486,7 @@ static PyMethodDef Core_methods[] = {
     {"fill", (PyCFunction)Core_fill, METH_VARARGS, NULL},
     {"columns", (PyCFunction)Core_columns, METH_VARARGS, NULL},
     {"set_inflight_all", (PyCFunction)Core_set_inflight_all, METH_VARARGS, NULL},
-    {"use", (PyCFunction)Core_use, METH_VARARGS, NULL},
+    {"admit", (PyCFunction)Core_admit, METH_VARARGS, NULL},
     {NULL},
 };
 

@@ -1,6 +1,6 @@
 /* Core's per-op loops: what the manager does to every block of a copy (the op's
  * columns, its in-flight marks, the copies it fills, their landing) and to every
- * block a request uses or backs up.
+ * block a request uses (``admit``) or backs up.
  *
  * Before these, each loop ran in Python in the manager, and each ``node.state[t]``
  * there made a Triple: a cache-mode replay spent most of its time on them
@@ -266,39 +266,130 @@ Core_set_inflight_all(CoreObject *c, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* use(nodes, now): index_core.Core.use. */
-static PyObject *
-Core_use(CoreObject *c, PyObject *args)
+/* Pop the last int of the list ``l`` into ``*v``: 0, or -1 (IndexError as list.pop's). */
+static inline int
+pop_long(PyObject *l, long *v)
 {
-    PyObject *nodes;
+    Py_ssize_t k = PyList_GET_SIZE(l);
+    if (k == 0) {
+        PyErr_SetString(PyExc_IndexError, "pop from empty list");
+        return -1;
+    }
+    *v = PyLong_AsLong(PyList_GET_ITEM(l, k - 1));
+    if (*v == -1 && PyErr_Occurred())
+        return -1;
+    return PyList_SetSlice(l, k - 1, k, NULL);
+}
+
+/* A FILLING copy of ``n`` on ``tier`` in the block popped from ``ids``: 0 or -1. */
+static inline int
+admit_fill(NodeObject *n, int tier, PyObject *ids, PyObject *device_ids)
+{
+    if (n->state[tier] != ABSENT) {
+        PyErr_Format(PyExc_AssertionError, "admit: %R already has a copy on tier %d",
+                     (PyObject *)n, tier);
+        return -1;
+    }
+    long b;
+    if (pop_long(ids, &b) < 0)
+        return -1;
+    if (device_ids) {
+        PyObject *v = PyLong_FromLong(b);
+        if (v == NULL || PyList_Append(device_ids, v) < 0) {
+            Py_XDECREF(v);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    n->loc[tier] = b;
+    n->state[tier] = FILLING;
+    return 0;
+}
+
+/* admit(nodes, tiers, now, dev_ids, host_ids): index_core.Core.admit. */
+static PyObject *
+Core_admit(CoreObject *c, PyObject *args)
+{
+    PyObject *nodes, *tiers, *dev_ids, *host_ids;
     Py_ssize_t now;
-    if (!PyArg_ParseTuple(args, "On:use", &nodes, &now))
+    if (!PyArg_ParseTuple(args, "OOnO!O!:admit", &nodes, &tiers, &now, &PyList_Type, &dev_ids,
+                          &PyList_Type, &host_ids))
         return NULL;
-    PyObject *seq = node_seq(nodes, "use takes a sequence of nodes");
+    PyObject *seq = node_seq(nodes, "admit takes a sequence of nodes");
     if (seq == NULL)
         return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *locs = nodes_locs(items, len, 0);
-    PyObject *filling = locs ? PyList_New(0) : NULL;
-    for (Py_ssize_t i = 0; filling && i < len; i++) {
-        NodeObject *n = (NodeObject *)items[i];
-        n->hits++;
-        n->last_access = now;
-        if (n->state[0] == FILLING) {
-            PyObject *v = PyLong_FromSsize_t(i);
-            if (v == NULL || PyList_Append(filling, v) < 0)
-                Py_CLEAR(filling);
-            Py_XDECREF(v);
-        }
-    }
-    Py_DECREF(seq);
-    if (filling == NULL) {
-        Py_XDECREF(locs);
+    PyObject *tseq = PySequence_Fast(tiers, "admit takes a sequence of tiers");
+    if (tseq == NULL) {
+        Py_DECREF(seq);
         return NULL;
     }
-    PyObject *r = PyTuple_Pack(2, locs, filling);
-    Py_DECREF(locs);
-    Py_DECREF(filling);
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject **titems = PySequence_Fast_ITEMS(tseq);
+    PyObject *out[5] = {NULL, NULL, NULL, NULL, NULL};  /* device_ids, from_host, staged,
+                                                         * direct, waits */
+    PyObject *r = NULL;
+    if (PySequence_Fast_GET_SIZE(tseq) != len) {
+        PyErr_Format(PyExc_ValueError, "admit: %zd nodes but %zd tiers", len,
+                     PySequence_Fast_GET_SIZE(tseq));
+        goto done;
+    }
+    for (int j = 0; j < 5; j++)
+        if ((out[j] = PyList_New(0)) == NULL)
+            goto done;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        NodeObject *n = (NodeObject *)items[i];
+        long t = PyLong_AsLong(titems[i]);
+        if (t == -1 && PyErr_Occurred())
+            goto done;
+        n->hits++;
+        n->last_access = now;
+        int wait = 0;
+        if (t == 0) {
+            PyObject *v = PyLong_FromLong(n->loc[0]);
+            if (v == NULL || PyList_Append(out[0], v) < 0) {
+                Py_XDECREF(v);
+                goto done;
+            }
+            Py_DECREF(v);
+            wait = n->state[0] == FILLING;
+        }
+        else {
+            if (admit_fill(n, 0, dev_ids, out[0]) < 0)
+                goto done;
+            PyObject *into;
+            if (t == 1) {
+                into = out[1];
+                PyObject *fl = node_inflight_get(n, 1);
+                if (fl == NULL)
+                    goto done;
+                wait = fl != Py_None;
+            }
+            else if (PyList_GET_SIZE(host_ids)) {
+                if (admit_fill(n, 1, host_ids, NULL) < 0)
+                    goto done;
+                into = out[2];
+            }
+            else {
+                into = out[3];
+            }
+            if (PyList_Append(into, (PyObject *)n) < 0)
+                goto done;
+        }
+        if (wait) {
+            PyObject *v = PyLong_FromSsize_t(i);
+            if (v == NULL || PyList_Append(out[4], v) < 0) {
+                Py_XDECREF(v);
+                goto done;
+            }
+            Py_DECREF(v);
+        }
+    }
+    r = PyTuple_Pack(5, out[0], out[1], out[2], out[3], out[4]);
+done:
+    for (int j = 0; j < 5; j++)
+        Py_XDECREF(out[j]);
+    Py_DECREF(seq);
+    Py_DECREF(tseq);
     return r;
 }

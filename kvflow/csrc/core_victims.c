@@ -152,6 +152,13 @@ core_drop_copy(CoreObject *c, NodeObject *n, int tier, PyObject *ids, Py_ssize_t
         (*delta)++;
     if (core_forget_copy(n, tier, ids) < 0)
         return -1;
+    /* As set_inflight(node, tier, None): a node keeps no list once nothing is in flight
+     * (drop_front's reference clears the slot only, and so does core_forget_copy). */
+    if (n->inflight && PyList_CheckExact(n->inflight) && PyList_GET_SIZE(n->inflight) == NTIERS
+            && PyList_GET_ITEM(n->inflight, 0) == Py_None
+            && PyList_GET_ITEM(n->inflight, 1) == Py_None
+            && PyList_GET_ITEM(n->inflight, 2) == Py_None)
+        Py_CLEAR(n->inflight);
     if (n->state[0] == ABSENT && n->state[1] == ABSENT && n->state[2] == ABSENT) {
         if (n->children != 0) {
             PyErr_Format(PyExc_AssertionError, "%R", (PyObject *)n);
