@@ -91,7 +91,7 @@ def run_replay(cfg: ReplayConfig,
     if cfg.mode == "cache":
         if cfg.instances == "auto":
             cfg = dataclasses.replace(cfg, instances=1)
-        setup = resolve(cfg)
+        setup = resolve(cfg, count=False)  # counted by the replay's own pass
         manager = make_manager(cfg, setup.capacities, setup)
         # The headroom section's accesses, taken as the replay reads each request
         # (instead of a second pass over the trace for the report).
@@ -154,26 +154,31 @@ def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
 def _replay_cache(setup: Setup, manager: CacheManager,
                   progress: Callable[[int, int], None] | None,
                   accesses: AccessLog | None = None) -> dict[str, Any]:
-    hits = [0, 0, 0]
     blocks = rejected = 0
     cap = setup.capacities.device
-    total = len(setup.requests)
+    # (a progress bar needs the count up front: a pass of its own)
+    total = len(setup.requests) if progress is not None else 0
+    before = list(manager.stats.hits)  # every plan's hits, per tier (a plan counts its own)
+    plan_of, commit, finish = manager.plan, manager.commit, manager.finish
     for i, req in enumerate(setup.requests):
-        keys = req.keys[:cap]  # what cannot fit on the device is recomputed, uncached
-        plan = manager.plan(req.request_id, keys)
-        _land(manager, plan.ops)
-        manager.commit(plan)
-        _land(manager, manager.finish(plan))
-        for t in (0, 1, 2):
-            hits[t] += plan.hits(t)
-        blocks += len(req.keys)
-        rejected += len(req.keys) > cap
+        keys = req.keys
+        plan = plan_of(req.request_id, keys[:cap])  # what cannot fit is recomputed, uncached
+        if plan.ops:
+            _land(manager, plan.ops)
+        commit(plan)
+        ops = finish(plan)
+        if ops:
+            _land(manager, ops)
+        blocks += len(keys)
+        rejected += len(keys) > cap
         if accesses is not None:
-            accesses.add(req.keys)
+            accesses.add(keys)
         if progress is not None and (i % 256 == 0 or i + 1 == total):
             progress(i + 1, total)
     if accesses is not None:
         accesses.finish()
+    hits = [h - b for h, b in zip(manager.stats.hits, before, strict=True)]
+    total = len(setup.requests)
     return {
         "requests": total, "rejected": 0, "truncated": rejected,
         "hit_rate": hit_rates(hits, blocks),
@@ -187,8 +192,9 @@ def _replay_cache(setup: Setup, manager: CacheManager,
 def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
     """Cache mode: every copy lands at once, follow-ups too."""
     queue = list(ops)
+    complete = manager.complete
     while queue:
-        queue += manager.complete(queue.pop(0), True)
+        queue += complete(queue.pop(0), True)
 
 
 # -- full mode ------------------------------------------------------------------------------
