@@ -28,6 +28,8 @@
  *   order_cost_evict.c  LinkedCost's first, pop_front, push_front and candidates scan
  *   core.c              Core: match, ref, release and the other per-request loops
  *   core_victims.c      Core's drop_front and take_victims
+ *   core_bulk.c         Core's per-op loops: an op's columns, in-flight marks, fills,
+ *                       landing; a request's use of its hits; backup candidates
  *   access_log.c        AccessLog: a trace's accesses, compact (headroom)
  *   access_log_belady.c AccessLog.hits: Belady's MIN over them
  * This file keeps the module's init.
@@ -45,6 +47,7 @@
 #include "csrc/order_cost_evict.c"
 #include "csrc/core.c"
 #include "csrc/core_victims.c"
+#include "csrc/core_bulk.c"
 #include "csrc/access_log.c"
 #include "csrc/access_log_belady.c"
 

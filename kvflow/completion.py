@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 
-from kvflow.index_core import NO_INFLIGHT
 from kvflow.plans import DEVICE, HOST, STORAGE, OpKind, Plan, TransferOp
 from kvflow.radix import ABSENT, COMPUTING, FILLING, READY, Node, Tier, set_inflight
 
@@ -31,31 +30,13 @@ class CompletionMixin:
         dst = op.dst_tier
         follow: list[TransferOp] = []
         if ok:
-            landed = []
             # Tail-first, as requests release blocks: parents end up newer than
             # their children in the destination's eviction order.
-            insert = index.policies[dst].insert
-            unreferenced = index.unreferenced
-            for n in reversed(op.nodes):  # PrefixIndex.mark_ready, inline
-                st = n.state
-                fl = n.inflight
-                if st[dst] == FILLING and fl[dst] is op:
-                    st[dst] = READY
-                    fl[dst] = None
-                    if fl[0] is None and fl[1] is None and fl[2] is None:
-                        n.inflight = NO_INFLIGHT  # (its list would stay for the node's life)
-                    insert(n)
-                    if n.ref == 0:
-                        unreferenced[dst] += 1
-                    landed.append(n)
-            landed.reverse()
-            if dst == HOST and self.has_tier(STORAGE) and op.kind in (
-                OpKind.BACKUP, OpKind.EVICT
-            ):
-                wp = self.write_policy
-                todo = [n for n in landed if n.state[STORAGE] == ABSENT
-                        and (op.kind == OpKind.BACKUP and wp.backup_on_insert(n.hits))]
-                self._backup(HOST, todo, follow)
+            landed = index.land(op, op.nodes, dst)
+            if dst == HOST and op.kind is OpKind.BACKUP and self.has_tier(STORAGE):
+                min_hits = self.write_policy.backup_min_hits
+                if min_hits is not None and landed:
+                    self._backup(HOST, index.backups(landed, STORAGE, -1, min_hits), follow)
             return follow
         self.stats.failed_ops += 1
         for n in op.nodes:

@@ -256,3 +256,117 @@ class Core:
             policy.push_front(taken[len(ids):])
         self.unreferenced[tier] -= len(ids)
         return ids
+
+    # -- per-op loops (the native core's are in csrc/core_bulk.c) ------------------------
+    def land(self, op: object, nodes: Sequence[Node], dst: int) -> list[Node]:
+        """``op`` wrote its copies: each of ``nodes`` whose ``dst`` copy is FILLING by
+        ``op`` becomes READY there (no longer in flight) and enters ``dst``'s order,
+        tail-first (as requests release blocks: parents end up newer than their
+        children). Returns those, in the given order. Others (dropped or refilled by
+        another op since) are left alone."""
+        if op is None:
+            raise ValueError("land takes an op, not None")
+        landed: list[Node] = []
+        insert = self.policies[dst].insert
+        unreferenced = self.unreferenced
+        for n in reversed(nodes):
+            st = n.state
+            fl = n.inflight
+            if st[dst] == FILLING and fl[dst] is op:
+                st[dst] = READY
+                fl[dst] = None  # type: ignore[index]
+                if fl[0] is None and fl[1] is None and fl[2] is None:
+                    n.inflight = NO_INFLIGHT  # (its list would stay for the node's life)
+                insert(n)
+                if n.ref == 0:
+                    unreferenced[dst] += 1
+                landed.append(n)
+        landed.reverse()
+        return landed
+
+    def backups(self, nodes: Sequence[Node], lower: int, ready: int,
+                min_hits: int) -> list[Node]:
+        """Those of ``nodes`` with no copy on ``lower``, a READY one on ``ready`` (-1:
+        any) and at least ``min_hits`` hits: what a write policy copies down."""
+        return [n for n in nodes if n.state[lower] == ABSENT
+                and (ready < 0 or n.state[ready] == READY) and n.hits >= min_hits]
+
+    def fill(self, nodes: Sequence[Node], tier: int, ids: Sequence[int]) -> None:
+        """Give each node a FILLING copy on ``tier`` in the matching block of ``ids``
+        (a copy on its way there). All or nothing: a node with a copy there already
+        is an AssertionError."""
+        if len(ids) != len(nodes):
+            raise ValueError(f"fill: {len(nodes)} nodes but {len(ids)} block ids")
+        for n in nodes:
+            if n.state[tier] != ABSENT:
+                raise AssertionError(f"fill: {n!r} already has a copy on tier {tier}")
+        ids = [int(i) for i in ids]
+        for n, i in zip(nodes, ids, strict=True):
+            n.loc[tier] = i
+            n.state[tier] = FILLING
+
+    def columns(self, nodes: Sequence[Node], src: int, dst: int
+                ) -> tuple[list[int], list[int], list[Hashable]]:
+        """An op's columns: the nodes' block ids on ``src`` and ``dst``, and keys."""
+        return [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes], [n.key for n in nodes]
+
+    def set_inflight_all(self, nodes: Sequence[Node], tier: int, op: object) -> None:
+        """Record ``op`` as the copy filling each node's ``tier`` block."""
+        if op is None:
+            raise ValueError("set_inflight_all marks an op, not None")
+        for n in nodes:
+            inflight = n.inflight
+            if inflight is NO_INFLIGHT:
+                n.inflight = inflight = [None, None, None]
+            inflight[tier] = op  # type: ignore[index]
+
+    def admit(self, nodes: Sequence[Node], tiers: Sequence[int], now: int,
+              dev_ids: list[int], host_ids: list[int]
+              ) -> tuple[list[int], list[Node], list[Node], list[Node], list[int]]:
+        """A plan takes its cached prefix ``nodes`` (``tiers``: each one's best tier):
+        one more hit each, last used at ``now``; each not on the device gets a FILLING
+        device copy in a block popped from ``dev_ids``, and each only in storage a
+        FILLING host copy from ``host_ids`` while it lasts (staged through host).
+
+        Returns the plan's device block per node; the host hits (loaded from host),
+        the staged storage hits and the rest of them (read straight to the device);
+        and the positions of the nodes whose copy is being filled by an op another
+        plan started (a device copy, or the host copy a host hit reads), for the
+        plan to share, in order. A node with a copy already where it gets one is an
+        AssertionError (raised before its block is popped).
+        """
+        if len(tiers) != len(nodes):
+            raise ValueError(f"admit: {len(nodes)} nodes but {len(tiers)} tiers")
+        device_ids: list[int] = []
+        from_host: list[Node] = []
+        staged: list[Node] = []
+        direct: list[Node] = []
+        waits: list[int] = []
+
+        def fill(n: Node, tier: int, ids: list[int]) -> int:
+            if n.state[tier] != ABSENT:
+                raise AssertionError(f"admit: {n!r} already has a copy on tier {tier}")
+            b = ids.pop()
+            n.loc[tier] = b
+            n.state[tier] = FILLING
+            return b
+
+        for i, (n, t) in enumerate(zip(nodes, tiers, strict=True)):
+            n.hits += 1
+            n.last_access = now
+            if t == 0:
+                device_ids.append(n.loc[0])
+                if n.state[0] == FILLING:
+                    waits.append(i)
+                continue
+            device_ids.append(fill(n, 0, dev_ids))
+            if t == 1:
+                from_host.append(n)
+                if n.inflight[1] is not None:
+                    waits.append(i)
+            elif host_ids:
+                fill(n, 1, host_ids)
+                staged.append(n)
+            else:
+                direct.append(n)
+        return device_ids, from_host, staged, direct, waits

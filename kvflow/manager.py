@@ -46,7 +46,6 @@ from kvflow.policy import PrefetchPolicy, WritePolicy
 from kvflow.radix import (
     ABSENT,
     COMPUTING,
-    FILLING,
     READY,
     Node,
     PrefixIndex,
@@ -208,11 +207,10 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         ops: list[TransferOp] = []
         lower = self._lower[DEVICE]
         if lower is not None and plan.committed:
-            wp = self.write_policy
-            todo = [n for n in plan.nodes
-                    if n.state[lower] == ABSENT and n.state[DEVICE] == READY
-                    and wp.backup_on_insert(n.hits)]
-            self._backup(DEVICE, todo, ops)
+            min_hits = self.write_policy.backup_min_hits
+            if min_hits is not None:
+                self._backup(DEVICE, self.index.backups(plan.nodes, lower, DEVICE, min_hits),
+                             ops)
         return ops
 
     def _release(self, node: Node) -> None:
@@ -260,11 +258,7 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
             return
         n = len(ids)
         nodes = nodes[:n]  # parents first: a backed-up prefix stays a prefix
-        for node, i in zip(nodes, ids, strict=True):  # PrefixIndex.set_copy, inline
-            st = node.state
-            assert st[dst] == ABSENT, (node, dst)
-            node.loc[dst] = i
-            st[dst] = FILLING
+        self.index.fill(nodes, dst, ids)
         self.stats.backups[src] += n
         self._op(OpKind.BACKUP, src, dst, nodes, ops, None)
 

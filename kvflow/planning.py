@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kvflow.errors import NotEnoughBlocks
-from kvflow.index_core import NO_INFLIGHT
 from kvflow.plans import DEVICE, HOST, REMOTE_KINDS, STORAGE, OpKind, Plan, Reservation, TransferOp
 from kvflow.radix import FILLING, READY, Node, Tier
 
@@ -121,42 +120,21 @@ class PlanningMixin:
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
             raise NotEnoughBlocks(needed, len(dev_ids))
-        plan = Plan(request_id, keys, matched, [], tiers, ops, [], [], [], [])
-
         # Three swap-in groups, one op each, so that a prefetch cut short only
         # fails the blocks that depended on it: host hits, storage hits staged
         # through host, and storage hits read straight to device (no host tier).
-        from_host: list[Node] = []
-        staged: list[Node] = []
-        direct: list[Node] = []
-        device_ids = plan.device_ids
-        shared = plan.shared
+        # The core counts and stamps each hit and gives those off the device their
+        # copies (FILLING); the plan shares the loads other plans have in flight.
         now = self.stats.plans + 1
-        for n, t in zip(matched, tiers, strict=True):
-            n.hits += 1
-            n.last_access = now
-            if t == DEVICE:
-                device_ids.append(n.loc[0])
-                op = n.inflight[0]
-                if n.state[0] == FILLING and op is not None and op not in shared:
-                    shared.append(op)  # type: ignore[arg-type]
-                    op.sharers.append(plan)  # type: ignore[attr-defined]
-                continue
-            d = dev_ids.pop()
-            device_ids.append(d)
-            index.set_copy(n, DEVICE, d, FILLING)
-            if t == HOST:
-                from_host.append(n)
-                # A host copy still being filled by another plan's op: ours reads after it.
-                op = n.inflight[1]
-                if op is not None and op not in shared:
-                    shared.append(op)  # type: ignore[arg-type]
-                    op.sharers.append(plan)  # type: ignore[attr-defined]
-            elif host_ids:
-                index.set_copy(n, HOST, host_ids.pop(), FILLING)
-                staged.append(n)
-            else:
-                direct.append(n)
+        device_ids, from_host, staged, direct, waits = index.admit(matched, tiers, now,
+                                                                   dev_ids, host_ids)
+        plan = Plan(request_id, keys, matched, device_ids, tiers, ops, [], [], [], [])
+        shared = plan.shared
+        for i in waits:  # a copy still being filled by another plan's op: ours reads after it
+            op = matched[i].inflight[0 if tiers[i] == DEVICE else 1]
+            if op is not None and op not in shared:
+                shared.append(op)  # type: ignore[arg-type]
+                op.sharers.append(plan)  # type: ignore[attr-defined]
         if staged:
             self._op(OpKind.PREFETCH, STORAGE, HOST, staged, ops, plan)
         for src, nodes in ((HOST, from_host), (HOST, staged),
@@ -189,14 +167,10 @@ class PlanningMixin:
 
     def _op(self, kind: OpKind, src: Tier, dst: Tier, nodes: list[Node],
             ops: list[TransferOp], plan: Plan | None) -> TransferOp:
-        op = TransferOp(next(self._op_ids), kind, src, dst,
-                        [n.loc[src] for n in nodes], [n.loc[dst] for n in nodes],
-                        [n.key for n in nodes], nodes, plan)
-        for n in nodes:  # set_inflight, inline (every block of every op comes through here)
-            inflight = n.inflight
-            if inflight is NO_INFLIGHT:
-                n.inflight = inflight = [None, None, None]
-            inflight[dst] = op
+        index = self.index  # (every block of every op comes through here: the core's loops)
+        src_ids, dst_ids, keys = index.columns(nodes, src, dst)
+        op = TransferOp(next(self._op_ids), kind, src, dst, src_ids, dst_ids, keys, nodes, plan)
+        index.set_inflight_all(nodes, dst, op)
         self.inflight[op.op_id] = op
         ops.append(op)
         return op

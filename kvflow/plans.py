@@ -93,7 +93,7 @@ class Plan:
         return len(self.source_tiers)
 
     def hits(self, tier: Tier) -> int:
-        return sum(1 for t in self.source_tiers if t == tier)
+        return self.source_tiers.count(tier)
 
 
 @dataclass(eq=False)

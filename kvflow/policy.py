@@ -9,6 +9,8 @@ Write and prefetch policies are plain data read by the manager and runtime.
 
 from __future__ import annotations
 
+import math
+import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
@@ -495,6 +497,19 @@ class WritePolicy:
         if self.name == "write_through_selective":
             return hits >= self.threshold
         return False
+
+    @property
+    def backup_min_hits(self) -> int | None:
+        """``backup_on_insert`` as a bound: a block is backed up on insert iff its hits
+        are at least this (None: never). The manager's bulk paths test it in the core."""
+        if self.name == "write_through":
+            return 0
+        if self.name == "write_through_selective":
+            t = self.threshold
+            if not math.isfinite(t):
+                return None
+            return min(math.ceil(t), sys.maxsize)
+        return None
 
     @property
     def copy_on_evict(self) -> bool:

@@ -115,8 +115,9 @@ class PrefixIndex:
     The index never allocates or frees pool blocks itself: the manager owns the
     pools and tells the index where a node's copies live. The per-request bulk
     calls (``match``, ``ref_all``, ``best_tiers``, ``add_computing``,
-    ``mark_computed``, ``release``, ``computing_on_device``, ``drop_front``) are
-    the core's, documented in ``kvflow.index_core.Core``; the rest, per node
+    ``mark_computed``, ``release``, ``computing_on_device``, ``drop_front``) and the
+    per-op ones (``land``, ``backups``, ``fill``, ``columns``, ``set_inflight_all``,
+    ``admit``) are the core's, documented in ``kvflow.index_core.Core``; the rest, per node
     and off the common path, are here and work on either core's nodes. The
     core takes ``policies`` at construction: they are fixed for the index's life.
     """
@@ -163,6 +164,24 @@ class PrefixIndex:
         #: (A native core built before it falls back to the Python loop.)
         self.take_victims: Callable[[int, int, list[int]], None] = (
             getattr(c, "take_victims", None) or self._take_victims)
+        # The per-op loops (``land``, ``backups``, ``fill``, ``columns``,
+        # ``set_inflight_all``, ``admit``: see ``kvflow.index_core.Core``); a native
+        # core built before them runs the Python ones over its nodes.
+        py = c if not native else index_core.Core(self.nodes, self.policies,
+                                                  self.unreferenced, self.tiers)
+        self.land: Callable[[object, Sequence[Node], int], list[Node]] = \
+            getattr(c, "land", None) or py.land
+        self.backups: Callable[[Sequence[Node], int, int, int], list[Node]] = \
+            getattr(c, "backups", None) or py.backups
+        self.fill: Callable[[Sequence[Node], int, Sequence[int]], None] = \
+            getattr(c, "fill", None) or py.fill
+        self.columns: Callable[[Sequence[Node], int, int],
+                               tuple[list[int], list[int], list[Hashable]]] = \
+            getattr(c, "columns", None) or py.columns
+        self.set_inflight_all: Callable[[Sequence[Node], int, object], None] = \
+            getattr(c, "set_inflight_all", None) or py.set_inflight_all
+        self.admit: Callable[..., tuple[list[int], list[Node], list[Node], list[Node],
+                                        list[int]]] = getattr(c, "admit", None) or py.admit
 
     # -- lookup -------------------------------------------------------------
     def get(self, key: Hashable) -> Node | None:

@@ -11,7 +11,9 @@
   equal.
 * ``test_core_calls_match``: random call sequences straight on the two cores, through a
   ``PrefixIndex`` of each kind, including calls the manager never makes (misuse that
-  raises: both must raise the same error and leave the same state).
+  raises: both must raise the same error and leave the same state), and the per-op
+  loops (``land``, ``backups``, ``fill``, ``columns``, ``set_inflight_all``, ``admit``)
+  on nodes in any state.
 
 ``KVFLOW_EQUIV_EXAMPLES`` / ``KVFLOW_EQUIV_STEPS`` scale the examples and steps (for
 fuzzing well past the committed settings, with ``--hypothesis-seed``).
@@ -493,6 +495,14 @@ core_calls = st.one_of(
     st.tuples(st.just("victims"), TIER, st.booleans(), st.integers(0, 255)),
     st.tuples(st.just("take_victims"), TIER, st.integers(-1, 7), st.integers(0, 2)),
     st.tuples(st.just("poke"), HANDLE, TIER, st.sampled_from([ABSENT, READY, FILLING, COMPUTING])),
+    # The per-op loops (csrc/core_bulk.c), on any nodes in any states.
+    st.tuples(st.just("land"), SEL, TIER, st.sampled_from([*OPS, None])),
+    st.tuples(st.just("backups"), SEL, TIER, st.sampled_from([-1, 0, 1, 2]), st.integers(0, 2)),
+    st.tuples(st.just("fill"), SEL, TIER, st.integers(-1, 1)),
+    st.tuples(st.just("columns"), SEL, TIER, TIER),
+    st.tuples(st.just("set_inflight_all"), SEL, TIER, st.sampled_from([*OPS, None])),
+    st.tuples(st.just("admit"), SEL, st.none() | st.lists(TIER, min_size=6, max_size=6),
+              st.integers(0, 9), st.integers(0, 6), st.integers(0, 3)),
 )
 
 
@@ -671,6 +681,36 @@ def _run_core_call(pair, call):
                     out.append(idx[s].drop_copy(n, tier))
             return out
         both(take)
+    elif kind == "admit":
+        sel, tiers, now, n_dev, n_host = a
+        sel = pair.pick(sel)
+        # Random tiers, or each node's best one (as the manager's plans: None)
+        tiers = idx[0].best_tiers(sel[0]) if tiers is None else tiers[:len(sel[0])]
+        ids = [(list(range(n_dev)), list(range(20, 20 + n_host))) for _ in (0, 1)]
+
+        def admit(s):
+            out = idx[s].admit(sel[s], tiers, now, *ids[s])
+            return (out[0], [[n.key for n in ns] for ns in out[1:4]], out[4], ids[s])
+        both(admit)
+        assert ids[0] == ids[1], call  # (blocks are popped on an error too: the same ones)
+    elif kind in ("land", "backups", "columns", "set_inflight_all"):
+        sel, *rest = a
+        sel = pair.pick(sel)
+        if kind == "land":  # (land's op comes first)
+            rest = [rest[1], rest[0]]
+            out = both(lambda s: idx[s].land(rest[0], sel[s], rest[1]),
+                       lambda ns: [n.key for n in ns])
+        else:
+            out = both(lambda s: getattr(idx[s], kind)(sel[s], *rest),
+                       (lambda ns: [n.key for n in ns]) if kind == "backups" else
+                       (lambda x: x))
+        if out is not None and kind in ("land", "backups"):
+            nodes_result(out)
+    elif kind == "fill":
+        sel, tier, extra = a
+        sel = pair.pick(sel)
+        ids = list(range(50, 50 + max(0, len(sel[0]) + extra)))  # (a wrong count: ValueError)
+        both(lambda s: idx[s].fill(sel[s], tier, ids))
     elif kind == "set_inflight":
         h, tier, op = a
         node = pair.one(h)
@@ -730,3 +770,48 @@ def test_add_computing_with_a_key_that_cannot_be_hashed_leaves_the_index_as_it_w
             index.add_computing(p, ["a", "b", ["c"], "d"], [1, 2, 3, 4], now=1)
         assert list(index.nodes) == ["p"] and p.children == 0
         assert [n.key for n in index.add_computing(p, "ab", [1, 2], now=2)] == ["a", "b"]
+
+
+@pytest.mark.parametrize("eviction", EVICTIONS)
+def test_take_victims_leaves_no_in_flight_list_behind(eviction):
+    """The Python core's take_victims drops a copy through ``drop_copy``, which clears
+    the node's in-flight list to NO_INFLIGHT once nothing is in flight; the native one
+    cleared the tier's slot only (found by test_core_calls_match)."""
+    pair = _Pair([1, 0, 0], eviction)
+    for call in [("request", ((0,),), True, False, 0), ("unref", 0),
+                 ("set_inflight", 0, 0, "op-a"), ("take_victims", 0, 1, 0)]:
+        _run_core_call(pair, call)
+        pair.check()
+    assert [n.inflight for n in (pair.handles[0][0], pair.handles[1][0])] == [NO_INFLIGHT] * 2
+
+
+@pytest.mark.parametrize("core", SIDES)
+def test_admit_places_each_hit_and_lists_the_loads_to_share(core):
+    """``admit`` on a device hit being filled, a host hit (one with its host copy in
+    flight), and two storage hits with one host block: what each gets, and which
+    positions the plan must share an op at (a host hit with nothing in flight: none)."""
+    index = PrefixIndex([8, 8, 8], "lru", core=core)
+    a, b, c, d, e = index.add_computing(None, "abcde", [0, 1, 2, 3, 4], now=1)
+    index.mark_computed([e, d, c, b, a])
+    index.release([e, d, c, b, a])
+    for n, tier in ((b, 1), (c, 1), (d, 2), (e, 2)):
+        index.set_copy(n, tier, 10 + "abcde".index(n.key), READY)
+        index.drop_copy(n, 0)
+    index.set_copy(a, 2, 9, READY)
+    index.drop_copy(a, 0)
+    index.set_copy(a, 0, 7, FILLING)
+    set_inflight(a, 0, "op-a")
+    set_inflight(c, 1, "op-c")
+    dev, host = [20, 21, 22, 23], [30]
+    out = index.admit([a, b, c, d, e], [0, 1, 1, 2, 2], 5, dev, host)
+    device_ids, from_host, staged, direct, waits = out
+    assert device_ids == [7, 23, 22, 21, 20] and (dev, host) == ([], [])
+    assert [[n.key for n in g] for g in (from_host, staged, direct)] == [["b", "c"], ["d"],
+                                                                        ["e"]]
+    assert waits == [0, 2]
+    assert [n.hits for n in (a, b, c, d, e)] == [1] * 5
+    assert {n.last_access for n in (a, b, c, d, e)} == {5}
+    assert [list(n.state) for n in (b, d, e)] == [[FILLING, READY, ABSENT],
+                                                  [FILLING, FILLING, READY],
+                                                  [FILLING, ABSENT, READY]]
+    assert d.loc[1] == 30

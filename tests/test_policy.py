@@ -1,4 +1,8 @@
+import math
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvflow.errors import ConfigError
 from kvflow.policy import (
@@ -126,3 +130,14 @@ def test_s3fifo_pop_front_hands_out_nothing():
     a = N("a")
     p.insert(a)
     assert p.pop_front(1) == [] and p.tracked() == {a}
+
+
+@given(name=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+       threshold=st.integers(0, 5) | st.floats(0, 6) | st.just(math.inf),
+       hits=st.integers(0, 8))
+def test_backup_min_hits_is_backup_on_insert_as_a_bound(name, threshold, hits):
+    """The manager's bulk paths ask the index core for the nodes with at least
+    ``backup_min_hits`` hits: the same blocks ``backup_on_insert`` picks, one by one."""
+    wp = WritePolicy(name, threshold=threshold)
+    bound = wp.backup_min_hits
+    assert (bound is not None and hits >= bound) == wp.backup_on_insert(hits)

@@ -116,3 +116,52 @@ def test_a_finished_request_leaves_no_garbage_cycles() -> None:
         gc.enable()
     assert report["requests"] > 100
     assert left == []
+
+
+def test_requests_counted_by_their_first_whole_pass() -> None:
+    """``Requests(count=False)`` reads nothing up front: the first pass that reads the
+    whole source records the numbers (and calls ``on_counted`` once); one left part-way
+    records nothing, and asking for the length before any whole pass counts first."""
+    from kvflow.replay.config import request_keys
+    from kvflow.replay.requests import Requests
+    from traces import open_trace, sample_path
+    from traces.reshape import bound
+
+    src = bound(open_trace(sample_path()), limit=30)
+    eager = Requests(src, lambda r: request_keys(r, None))
+    calls: list[int] = []
+    lazy = Requests(src, lambda r: request_keys(r, None), count=False,
+                    on_counted=lambda: calls.append(1))
+    assert lazy._numbers is None and calls == []
+    it = iter(lazy)
+    next(it), next(it)
+    it.close()  # a pass left part-way: nothing recorded
+    assert lazy._numbers is None and calls == []
+    assert list(lazy) == list(eager) and calls == [1]
+    assert (lazy.arrival_s, lazy.input_len, lazy.output_len, len(lazy)) == (
+        eager.arrival_s, eager.input_len, eager.output_len, 30)
+    assert list(lazy) == list(eager) and calls == [1]
+    again = Requests(src, lambda r: request_keys(r, None), count=False,
+                     on_counted=lambda: calls.append(2))
+    assert len(again) == 30 and calls == [1, 2] and list(again) == list(eager)
+
+
+def test_a_cache_replay_reads_the_trace_once_and_still_counts_its_skipped_lines(
+        tmp_path: Path) -> None:
+    """Cache mode counts the requests in the replay's own pass: the report's skipped
+    lines are still the trace's (set when that pass ends), and the report is the same
+    as from a setup counted up front."""
+    from kvflow.replay import resolve
+    from traces import sample_path
+
+    lines = sample_path().read_text().splitlines()[:60]
+    lines.insert(20, '{"timestamp": "soon"}')
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = ReplayConfig(trace=str(path), mode="cache", skip_bad=True)
+    report = run_replay(cfg)
+    assert report["config"]["skipped_lines"] == 1 and report["requests"] == 60
+    assert resolve(cfg).skipped == 1
+    lazy = resolve(cfg, count=False)
+    assert lazy.requests._numbers is None and lazy.skipped == 0  # (nothing read yet)
+    assert len(list(lazy.requests)) == 60 and lazy.skipped == 1

@@ -458,9 +458,15 @@ fail:
 }
 
 
-/* Defined in core_victims.c (included next). */
+/* Defined in core_victims.c and core_bulk.c (included next). */
 static PyObject *Core_drop_front(CoreObject *c, PyObject *args);
 static PyObject *Core_take_victims(CoreObject *c, PyObject *args);
+static PyObject *Core_land(CoreObject *c, PyObject *args);
+static PyObject *Core_backups(CoreObject *c, PyObject *args);
+static PyObject *Core_fill(CoreObject *c, PyObject *args);
+static PyObject *Core_columns(CoreObject *c, PyObject *args);
+static PyObject *Core_set_inflight_all(CoreObject *c, PyObject *args);
+static PyObject *Core_admit(CoreObject *c, PyObject *args);
 
 static PyMethodDef Core_methods[] = {
     {"match", (PyCFunction)Core_match, METH_O, NULL},
@@ -475,6 +481,12 @@ static PyMethodDef Core_methods[] = {
     {"take_victims", (PyCFunction)Core_take_victims, METH_VARARGS,
      "CacheManager._take_victims with no copy down: victims dropped until ``ids`` "
      "(a list, appended to) holds ``count``, pass after pass while one drops any."},
+    {"land", (PyCFunction)Core_land, METH_VARARGS, NULL},
+    {"backups", (PyCFunction)Core_backups, METH_VARARGS, NULL},
+    {"fill", (PyCFunction)Core_fill, METH_VARARGS, NULL},
+    {"columns", (PyCFunction)Core_columns, METH_VARARGS, NULL},
+    {"set_inflight_all", (PyCFunction)Core_set_inflight_all, METH_VARARGS, NULL},
+    {"admit", (PyCFunction)Core_admit, METH_VARARGS, NULL},
     {NULL},
 };
 

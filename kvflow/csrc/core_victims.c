@@ -152,6 +152,13 @@ core_drop_copy(CoreObject *c, NodeObject *n, int tier, PyObject *ids, Py_ssize_t
         (*delta)++;
     if (core_forget_copy(n, tier, ids) < 0)
         return -1;
+    /* As set_inflight(node, tier, None): a node keeps no list once nothing is in flight
+     * (drop_front's reference clears the slot only, and so does core_forget_copy). */
+    if (n->inflight && PyList_CheckExact(n->inflight) && PyList_GET_SIZE(n->inflight) == NTIERS
+            && PyList_GET_ITEM(n->inflight, 0) == Py_None
+            && PyList_GET_ITEM(n->inflight, 1) == Py_None
+            && PyList_GET_ITEM(n->inflight, 2) == Py_None)
+        Py_CLEAR(n->inflight);
     if (n->state[0] == ABSENT && n->state[1] == ABSENT && n->state[2] == ABSENT) {
         if (n->children != 0) {
             PyErr_Format(PyExc_AssertionError, "%R", (PyObject *)n);
@@ -165,6 +172,45 @@ core_drop_copy(CoreObject *c, NodeObject *n, int tier, PyObject *ids, Py_ssize_t
     return 0;
 }
 
+/* core_victims_pass over a LinkedLRU, without calling back: its ``first`` is the
+ * head, and its ``candidates`` (policy.LinkedLRU) offers the head len(order) times,
+ * moving each one still ordered after it was offered to the end. */
+static Py_ssize_t
+lru_victims_pass(CoreObject *c, LRUObject *lru, int tier, Py_ssize_t count, PyObject *ids,
+                 Py_ssize_t *delta)
+{
+    Py_ssize_t dropped = 0;
+    while (lru->head && core_can_lose(lru->head, tier)) {
+        if (core_drop_copy(c, lru->head, tier, ids, delta) < 0)
+            return -1;
+        dropped++;
+        if (PyList_GET_SIZE(ids) >= count)
+            return dropped;
+    }
+    Py_ssize_t scan = lru->size;
+    for (Py_ssize_t i = 0; i < scan && lru->head; i++) {
+        NodeObject *n = (NodeObject *)Py_NewRef(lru->head);
+        if (core_can_lose(n, tier)) {
+            if (core_drop_copy(c, n, tier, ids, delta) < 0) {
+                Py_DECREF(n);
+                return -1;
+            }
+            dropped++;
+            if (PyList_GET_SIZE(ids) >= count) {
+                Py_DECREF(n);
+                break;  /* (the scan closed where it stands) */
+            }
+        }
+        if (LINKED(lru, n)) {  /* move_to_end */
+            lru_unlink(lru, n);
+            lru_append(lru, n);
+            Py_DECREF(n);  /* (the list's old reference: append took a new one) */
+        }
+        Py_DECREF(n);
+    }
+    return dropped;
+}
+
 /* One pass of ``PrefixIndex.victims(tier)`` (no copy down), each victim dropped as
  * it comes, until ``ids`` holds ``count``. Returns how many it dropped, or -1. */
 static Py_ssize_t
@@ -172,6 +218,9 @@ core_victims_pass(CoreObject *c, int tier, Py_ssize_t count, PyObject *ids, Py_s
 {
     PyObject *policy = c->policy[tier];
     Py_ssize_t dropped = 0;
+    LRUObject *lru = c->lru[tier];
+    if (lru)
+        return lru_victims_pass(c, lru, tier, count, ids, delta);
     /* The policy's O(1) first while it can lose it. */
     for (;;) {
         PyObject *o = PyObject_CallMethodNoArgs(policy, s_first);

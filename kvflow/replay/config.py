@@ -417,9 +417,10 @@ def request_keys(req: Request, hasher: BlockHasher | None) -> tuple[Hashable, ..
     return ()
 
 
-def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
+def resolve(cfg: ReplayConfig, world: World | None = None, *, count: bool = True) -> Setup:
     """Read the trace and size the tiers as ``world`` holds them (no world: cache mode,
-    sized from the profile)."""
+    sized from the profile). ``count=False``: the requests are counted by the first
+    pass that reads them all (``Requests``), not up front; ``skipped`` is set then."""
     path = Path(cfg.trace) if cfg.trace else sample_path()
     limits = TraceLimits.from_env(max_request_tokens=cfg.max_request_tokens,
                                   max_trace_bytes=cfg.max_trace_bytes)
@@ -434,7 +435,14 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
         source = rate_scale(source, cfg.rate_scale)
     if cfg.duration_s is not None or cfg.limit is not None:
         source = bound(source, duration_s=cfg.duration_s, limit=cfg.limit)
-    requests = Requests(source, lambda req: request_keys(req, hasher))
+    made: list[Setup] = []
+
+    def counted() -> None:  # (skipped lines are counted afresh by each pass of the trace)
+        if made:
+            made[0].skipped = trace.skipped
+
+    requests = Requests(source, lambda req: request_keys(req, hasher), count=count,
+                        on_counted=None if count else counted)
     pool_blocks = None
     if cfg.has_pool:
         pool_blocks = cfg.pool_blocks if cfg.pool_blocks is not None else \
@@ -447,8 +455,9 @@ def resolve(cfg: ReplayConfig, world: World | None = None) -> Setup:
                    _instance(cfg, spec, profile, world, g, i, pool_blocks))
                   for i, g in enumerate(groups))
     first = kinds[0][1]
-    return Setup(spec, first.profile, first.capacities, requests, str(path), trace.skipped,
-                 kinds, pool_blocks)
+    made.append(Setup(spec, first.profile, first.capacities, requests, str(path),
+                      trace.skipped, kinds, pool_blocks))
+    return made[0]
 
 
 def _instance(cfg: ReplayConfig, spec: ModelSpec, profile: GpuProfile, world: World | None,

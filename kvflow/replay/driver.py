@@ -30,6 +30,7 @@ from typing import Any
 from kvflow.cluster.instances import Cluster
 from kvflow.engine import Engine, EngineConfig
 from kvflow.errors import ConfigError
+from kvflow.headroom import AccessLog, new_access_log
 from kvflow.manager import CacheManager, TransferOp
 from kvflow.replay.aggregate import Finished, RequestsCsv
 from kvflow.replay.config import (
@@ -90,13 +91,17 @@ def run_replay(cfg: ReplayConfig,
     if cfg.mode == "cache":
         if cfg.instances == "auto":
             cfg = dataclasses.replace(cfg, instances=1)
-        setup = resolve(cfg)
+        setup = resolve(cfg, count=False)  # counted by the replay's own pass
         manager = make_manager(cfg, setup.capacities, setup)
+        # The headroom section's accesses, taken as the replay reads each request
+        # (instead of a second pass over the trace for the report).
+        accesses = new_access_log(setup.capacities.device) \
+            if cfg.headroom and cfg.instances == 1 else None
         with _few_full_collections():
-            body = _replay_cache(setup, manager, progress)
+            body = _replay_cache(setup, manager, progress, accesses)
         if inspect is not None:
             inspect(manager, None)
-        return assemble_report(cfg, setup, manager, body, t0)
+        return assemble_report(cfg, setup, manager, body, t0, accesses)
     if world is None:
         options = {k: v for k, v in (("executor", cfg.executor), ("store", cfg.store)) if v}
         world = load_world(cfg.backend, **options)
@@ -147,23 +152,33 @@ def auto_instances(cfg: ReplayConfig, setup: Setup) -> int:
 
 
 def _replay_cache(setup: Setup, manager: CacheManager,
-                  progress: Callable[[int, int], None] | None) -> dict[str, Any]:
-    hits = [0, 0, 0]
+                  progress: Callable[[int, int], None] | None,
+                  accesses: AccessLog | None = None) -> dict[str, Any]:
     blocks = rejected = 0
     cap = setup.capacities.device
-    total = len(setup.requests)
+    # (a progress bar needs the count up front: a pass of its own)
+    total = len(setup.requests) if progress is not None else 0
+    before = list(manager.stats.hits)  # every plan's hits, per tier (a plan counts its own)
+    plan_of, commit, finish = manager.plan, manager.commit, manager.finish
     for i, req in enumerate(setup.requests):
-        keys = req.keys[:cap]  # what cannot fit on the device is recomputed, uncached
-        plan = manager.plan(req.request_id, keys)
-        _land(manager, plan.ops)
-        manager.commit(plan)
-        _land(manager, manager.finish(plan))
-        for t in (0, 1, 2):
-            hits[t] += plan.hits(t)
-        blocks += len(req.keys)
-        rejected += len(req.keys) > cap
+        keys = req.keys
+        plan = plan_of(req.request_id, keys[:cap])  # what cannot fit is recomputed, uncached
+        if plan.ops:
+            _land(manager, plan.ops)
+        commit(plan)
+        ops = finish(plan)
+        if ops:
+            _land(manager, ops)
+        blocks += len(keys)
+        rejected += len(keys) > cap
+        if accesses is not None:
+            accesses.add(keys)
         if progress is not None and (i % 256 == 0 or i + 1 == total):
             progress(i + 1, total)
+    if accesses is not None:
+        accesses.finish()
+    hits = [h - b for h, b in zip(manager.stats.hits, before, strict=True)]
+    total = len(setup.requests)
     return {
         "requests": total, "rejected": 0, "truncated": rejected,
         "hit_rate": hit_rates(hits, blocks),
@@ -177,8 +192,9 @@ def _replay_cache(setup: Setup, manager: CacheManager,
 def _land(manager: CacheManager, ops: Iterable[TransferOp]) -> None:
     """Cache mode: every copy lands at once, follow-ups too."""
     queue = list(ops)
+    complete = manager.complete
     while queue:
-        queue += manager.complete(queue.pop(0), True)
+        queue += complete(queue.pop(0), True)
 
 
 # -- full mode ------------------------------------------------------------------------------

@@ -26,24 +26,73 @@ class Requests(Sequence[EngineRequest]):
 
     ``arrival_s``, ``input_len`` and ``output_len`` hold every request's numbers, in
     order. Indexing reads the source up to the index (for tests and small traces).
+
+    ``count=False`` leaves the up-front pass out: the first pass that reads the whole
+    source records the numbers as it goes (a cache-mode replay needs nothing before
+    it starts, so it reads the trace once), and anything that asks for them or the
+    length before then gets a pass of its own. ``on_counted`` is called once, right
+    after the first whole pass (what the source counted on its way: skipped lines).
     """
 
-    def __init__(self, source: Iterable[Any], keys_of: Callable[[Any], tuple[Hashable, ...]]
-                 ) -> None:
+    def __init__(self, source: Iterable[Any], keys_of: Callable[[Any], tuple[Hashable, ...]],
+                 *, count: bool = True, on_counted: Callable[[], None] | None = None) -> None:
         self._source = source
         self._keys_of = keys_of
-        self.arrival_s = array("d")
-        self.input_len = array("q")
-        self.output_len = array("q")
-        for req in source:
-            self.arrival_s.append(req.arrival_s)
-            self.input_len.append(req.input_len)
-            self.output_len.append(req.output_len)
+        self._numbers: tuple[array[float], array[int], array[int]] | None = None
+        self._on_counted = on_counted
+        if count:
+            self._count()
+
+    def _count(self) -> tuple[array[float], array[int], array[int]]:
+        if self._numbers is None:
+            arrival_s, input_len, output_len = array("d"), array("q"), array("q")
+            for req in self._source:
+                arrival_s.append(req.arrival_s)
+                input_len.append(req.input_len)
+                output_len.append(req.output_len)
+            self._counted(arrival_s, input_len, output_len)
+        return self._numbers  # type: ignore[return-value]
+
+    def _counted(self, *numbers: array[Any]) -> None:
+        self._numbers = numbers  # type: ignore[assignment]
+        if self._on_counted is not None:
+            self._on_counted()
+            self._on_counted = None
+
+    @property
+    def arrival_s(self) -> array[float]:
+        return self._count()[0]
+
+    @property
+    def input_len(self) -> array[int]:
+        return self._count()[1]
+
+    @property
+    def output_len(self) -> array[int]:
+        return self._count()[2]
 
     def __len__(self) -> int:
-        return len(self.arrival_s)
+        return len(self._count()[0])
 
     def __iter__(self) -> Iterator[EngineRequest]:
+        if self._numbers is None:
+            return self._first_pass()
+        return self._pass()
+
+    def _first_pass(self) -> Iterator[EngineRequest]:
+        """A pass that records the numbers, kept if it reads the whole source."""
+        keys_of = self._keys_of
+        arrival_s, input_len, output_len = array("d"), array("q"), array("q")
+        for req in self._source:
+            arrival_s.append(req.arrival_s)
+            input_len.append(req.input_len)
+            output_len.append(req.output_len)
+            yield EngineRequest(req.index, req.arrival_s, keys_of(req), req.input_len,
+                                req.output_len)
+        if self._numbers is None:
+            self._counted(arrival_s, input_len, output_len)
+
+    def _pass(self) -> Iterator[EngineRequest]:
         keys_of = self._keys_of
         n = len(self)
         for i, req in enumerate(self._source):
