@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from heapq import heappush
 
 from kvflow.cost import CostModel
 from kvflow.engine import StepBatch
 from kvflow.runtime import TransferTask
+from sim.loop import VirtualTimeLoop
 
 
 class _DecodeRun:
@@ -79,14 +81,29 @@ class SimExecutor:
         overhead = self.cost.step_time_sums(batch.prefill, n, ctx) - self.num_layers * per_layer
         ends: list[float] = []
         self._last_ends = ends
-        for i in range(self.num_layers):
+        num_layers = self.num_layers
+        if per_layer <= 0 or not isinstance(loop, VirtualTimeLoop):
+            for i in range(num_layers):
+                for t in pending:
+                    if t.layers_done <= i:
+                        await t.layer(i)  # raises TransferError if that load failed
+                self.busy_s += per_layer
+                await asyncio.sleep(per_layer)
+                ends.append(loop.time())
+            if overhead > 0:
+                self.busy_s += overhead
+                await asyncio.sleep(overhead)
+            return
+        # The same, with runs of layers whose loads have landed slept as a chain of
+        # timers (``_Layers``): the same times, one wake-up of this task per run.
+        i = 0
+        while i < num_layers:
             for t in pending:
                 if t.layers_done <= i:
                     await t.layer(i)  # raises TransferError if that load failed
             self.busy_s += per_layer
-            await asyncio.sleep(per_layer)
-            ends.append(loop.time())
-        if overhead > 0:
+            i = await _Layers(self, loop, i, per_layer, overhead, pending, ends).run()
+        if i == num_layers and overhead > 0:
             self.busy_s += overhead
             await asyncio.sleep(overhead)
 
@@ -144,6 +161,77 @@ class SimExecutor:
         assert run.handle is not None
         run.handle.cancel()
         run.handle = asyncio.get_running_loop().call_at(run.start + total, _wake, run.wake)
+
+
+class _Layers:
+    """A step's layers slept one after another, as the plain loop sleeps them, but
+    chained: the timer that ends a layer starts the next layer's (and after the last,
+    the step's overhead) itself, instead of waking the step's task to do it, when
+
+    * every load the step waits on has landed that layer, so the task would not
+      wait for one but go straight to its sleep, and
+    * the loop says the push is indistinguishable from the task's own one
+      iteration later (``VirtualTimeLoop.chainable``).
+
+    Otherwise it wakes the task, exactly where the plain loop's sleep would have
+    (and the task goes on as the plain loop does). Each layer's end is its own
+    timer at ``now + per_layer``, as ``asyncio.sleep`` puts it, so every time,
+    every sum and the order of timers due at the same instant are the plain
+    loop's; what goes is a task wake-up, a future and a sleep call per layer.
+    ``run`` returns the number of layers slept so far, plus one once the overhead
+    was slept too.
+    """
+
+    __slots__ = ("ends", "ex", "fut", "handle", "i", "loop", "overhead", "pending",
+                 "per_layer")
+
+    def __init__(self, ex: SimExecutor, loop: VirtualTimeLoop, i: int, per_layer: float,
+                 overhead: float, pending: list[TransferTask], ends: list[float]) -> None:
+        self.ex, self.loop, self.i = ex, loop, i
+        self.per_layer, self.overhead = per_layer, overhead
+        self.pending, self.ends = pending, ends
+        self.fut: asyncio.Future[int] = loop.create_future()
+        self.handle = loop.call_at(loop.time() + per_layer, self._end)
+
+    async def run(self) -> int:
+        try:
+            return await self.fut
+        finally:
+            self.handle.cancel()  # as asyncio.sleep does (nothing, once it fired)
+
+    def _end(self) -> None:
+        loop = self.loop
+        now = loop.env._now
+        ex = self.ex
+        i = self.i
+        num_layers = ex.num_layers
+        if i < num_layers:
+            self.ends.append(now)
+            i += 1
+            self.i = i
+            if i < num_layers:
+                if loop.chainable():
+                    for t in self.pending:
+                        if t.layers_done <= i:
+                            break
+                    else:
+                        ex.busy_s += self.per_layer
+                        self._push(now + self.per_layer)
+                        return
+            elif self.overhead > 0 and loop.chainable():
+                ex.busy_s += self.overhead
+                self.i = i + 1
+                self._push(now + self.overhead)
+                return
+        # (i past num_layers: the overhead ended)
+        if not self.fut.cancelled():
+            self.fut.set_result(self.i)
+
+    def _push(self, when: float) -> None:
+        h = self.handle  # fired, so out of the heap: it goes back in at its new time
+        h._when = when
+        heappush(self.loop._scheduled, h)
+        h._scheduled = True
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -143,6 +143,8 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
                 "which VirtualTimeLoop drives directly"
             )
         self.env = env
+        #: True while the callback running is its iteration's only one (see ``chainable``).
+        self.solo = False
 
     # ------------------------------------------------------------------ clock
     def time(self) -> float:
@@ -177,10 +179,33 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
             h = heappop(sched)
             h._scheduled = False
             ready.append(h)
-        for _ in range(len(ready)):
+        n = len(ready)
+        # A callback that runs alone in its iteration may chain work that would have
+        # run in the next one (``sim.executor``'s layer timers): see ``solo``.
+        self.solo = n == 1
+        for _ in range(n):
             h = ready.popleft()
             if not h._cancelled:
                 h._run()
+
+    def chainable(self) -> bool:
+        """May the callback now running push the timer that a callback it would
+        ``call_soon`` (a task it wakes) is to push next iteration, itself and now?
+
+        Yes when it runs alone in its iteration and the next iteration's start
+        would leave the timer heap as it is (no purge of cancelled timers, no
+        cancelled timer at its head): then nothing else runs, and nothing else
+        touches the heap, between the two moments, so the heap, and with it the
+        order of timers due at the same instant, comes out the same, and the
+        iteration saved is one in which only that callback would have run.
+        """
+        if not self.solo:
+            return False
+        sched = self._scheduled
+        n = len(sched)
+        if n > _MIN_SCHEDULED and self._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION:
+            return False
+        return not (sched and sched[0]._cancelled)
 
     def _advance(self) -> None:
         """Process simpy events until a callback is ready, or jump to the next timer.
