@@ -201,37 +201,35 @@ class _Layers:
 
     def _end(self) -> None:
         loop = self.loop
-        now = loop.env._now
         ex = self.ex
-        i = self.i
         num_layers = ex.num_layers
-        if i < num_layers:
-            self.ends.append(now)
-            i += 1
-            self.i = i
+        while True:
+            now = loop.env._now
+            i = self.i
             if i < num_layers:
-                if loop.chainable():
-                    for t in self.pending:
-                        if t.layers_done <= i:
-                            break
-                    else:
-                        ex.busy_s += self.per_layer
-                        self._push(now + self.per_layer)
-                        return
-            elif self.overhead > 0 and loop.chainable():
-                ex.busy_s += self.overhead
-                self.i = i + 1
-                self._push(now + self.overhead)
-                return
-        # (i past num_layers: the overhead ended)
-        if not self.fut.cancelled():
-            self.fut.set_result(self.i)
-
-    def _push(self, when: float) -> None:
-        h = self.handle  # fired, so out of the heap: it goes back in at its new time
-        h._when = when
-        heappush(self.loop._scheduled, h)
-        h._scheduled = True
+                self.ends.append(now)
+                i += 1
+                self.i = i
+                if i < num_layers:
+                    if loop.chainable():
+                        for t in self.pending:
+                            if t.layers_done <= i:
+                                break
+                        else:
+                            ex.busy_s += self.per_layer
+                            if loop.push_or_run(self.handle, now + self.per_layer):
+                                continue
+                            return
+                elif self.overhead > 0 and loop.chainable():
+                    ex.busy_s += self.overhead
+                    self.i = i + 1
+                    if loop.push_or_run(self.handle, now + self.overhead):
+                        continue
+                    return
+            # (i past num_layers: the overhead ended)
+            if not self.fut.cancelled():
+                self.fut.set_result(self.i)
+            return
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -207,6 +207,35 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
             return False
         return not (sched and sched[0]._cancelled)
 
+    def push_or_run(self, h: asyncio.TimerHandle, when: float) -> bool:
+        """Put timer ``h`` (fired, off the heap) back at ``when``, from a callback that
+        ``chainable`` allowed to; or, where the loop's next iteration would do nothing
+        but that timer, do that iteration's work on the heap and clock now and return
+        True: the caller then runs ``h``'s callback itself, alone, as that iteration would.
+
+        "Nothing but that timer": nothing ready, no simpy event and no other timer
+        due at or before ``when``, no purge of cancelled timers due. Then that
+        iteration would push ``h``, move the clock to ``when``, pop ``h`` and run it
+        alone; the push and the pop are done here too, so the heap's layout (and the
+        order of other timers that fall due together later) is what it would be.
+        """
+        sched = self._scheduled
+        h._when = when
+        queue = self.env._queue
+        n = len(sched) + 1
+        if (self._ready or self._stopping or (sched and sched[0]._when <= when)
+                or (queue and queue[0][0] <= when)
+                or (n > _MIN_SCHEDULED
+                    and self._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION)):
+            heappush(sched, h)
+            h._scheduled = True
+            return False
+        heappush(sched, h)
+        heappop(sched)
+        if when > self.env._now:
+            self.env._now = when
+        return True
+
     def _advance(self) -> None:
         """Process simpy events until a callback is ready, or jump to the next timer.
 
