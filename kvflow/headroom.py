@@ -25,7 +25,8 @@ from typing import Any, Protocol
 from traces.optimum import optimum_curve, optimum_hits
 
 __all__ = ["METHOD", "TIER_NAMES", "AccessLog", "headroom_section", "optimum_curve",
-           "optimum_hit_rates", "optimum_hits", "record_accesses", "tier_hits"]
+           "new_access_log", "optimum_hit_rates", "optimum_hits", "record_accesses",
+           "tier_hits"]
 
 #: How the report's optimum was computed, in one line (reports print it).
 METHOD = ("Belady's MIN over the whole trace (offline: it reads the future), cache mode, "
@@ -87,14 +88,21 @@ def _native_log() -> Any:
     return getattr(NATIVE_CORE, "AccessLog", None)
 
 
-def record_accesses(requests: Iterable[Sequence[Hashable]], cut: int,
-                    native: bool | None = None) -> AccessLog:
-    """Read ``requests`` (each a request's block keys) once into an ``AccessLog``.
+def new_access_log(cut: int, native: bool | None = None) -> AccessLog:
+    """An empty ``AccessLog`` (``add`` each request's keys, then ``finish``): what a
+    replay that reads the trace anyway fills as it goes, instead of reading it again.
     ``native``: None, the extension's where built; False, Python's."""
     make = _native_log() if native is not False else None
     if native and make is None:
         raise RuntimeError("kvflow._index_core has no AccessLog: rebuild the extension")
-    log: AccessLog = make(cut) if make is not None else PyAccessLog(cut)
+    return make(cut) if make is not None else PyAccessLog(cut)
+
+
+def record_accesses(requests: Iterable[Sequence[Hashable]], cut: int,
+                    native: bool | None = None) -> AccessLog:
+    """Read ``requests`` (each a request's block keys) once into an ``AccessLog``.
+    ``native``: None, the extension's where built; False, Python's."""
+    log = new_access_log(cut, native)
     add = log.add
     for keys in requests:
         add(keys)
@@ -125,13 +133,16 @@ def tier_hits(requests: Iterable[Sequence[Hashable]] | AccessLog,
     return out
 
 
-def optimum_hit_rates(requests: Iterable[Sequence[Hashable]], capacities: Sequence[int],
+def optimum_hit_rates(requests: Iterable[Sequence[Hashable]] | AccessLog,
+                      capacities: Sequence[int],
                       blocks: int | None = None) -> dict[str, float]:
     """Per tier and ``total``, the offline optimum's hit rates at ``capacities``
     (device, host, storage blocks). ``requests`` is read once (a generator will do:
-    only int ids are kept). ``blocks``: the denominator (default: every block of
+    only int ids are kept), or is an ``AccessLog`` of them already, finished and cut
+    to the device's capacity. ``blocks``: the denominator (default: every block of
     every request, untruncated, as a replay counts them)."""
-    log = record_accesses(requests, capacities[0])
+    log = requests if hasattr(requests, "hits") else record_accesses(
+        requests, capacities[0])  # type: ignore[arg-type]
     if blocks is None:
         blocks = log.blocks
     hits = tier_hits(log, capacities)
@@ -140,13 +151,15 @@ def optimum_hit_rates(requests: Iterable[Sequence[Hashable]], capacities: Sequen
     return d
 
 
-def headroom_section(requests: Iterable[Sequence[Hashable]], capacities: Sequence[int],
+def headroom_section(requests: Iterable[Sequence[Hashable]] | AccessLog,
+                     capacities: Sequence[int],
                      eviction: str, instances: int = 1) -> dict[str, Any]:
     """The report's ``headroom``: the offline optimum's hit rates per tier at the
     replay's capacities (``optimum``, as the report's ``hit_rate``), the policy they
     are set against and how they were computed (its time is in the report's
     ``wall_s``). A cluster's instances each see part of the trace: no single-cache
-    optimum applies (``optimum`` None). ``requests`` is read once, only if needed."""
+    optimum applies (``optimum`` None). ``requests`` is read once, only if needed
+    (or is an ``AccessLog`` of them, see ``optimum_hit_rates``)."""
     from kvflow.policy import eviction_label
 
     out: dict[str, Any] = {"eviction": eviction_label(eviction), "method": METHOD,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvflow.engine import Engine
-from kvflow.headroom import headroom_section
+from kvflow.headroom import AccessLog, headroom_section
 from kvflow.profile import LINKS
 from kvflow.replay.aggregate import Finished, merged
 from kvflow.replay.load import load_section, pd_utilization, queue_growth, slo_section
@@ -35,8 +35,11 @@ REPORT_VERSION = 1
 
 
 def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
-                    body: dict[str, Any], t0: float) -> dict[str, Any]:
-    """The report around a replay's body (shared by both worlds)."""
+                    body: dict[str, Any], t0: float,
+                    accesses: AccessLog | None = None) -> dict[str, Any]:
+    """The report around a replay's body (shared by both worlds). ``accesses``: the
+    trace's accesses, where the replay logged them as it read the trace (else the
+    headroom section reads it again)."""
     report: dict[str, Any] = {
         "kvflow_report": REPORT_VERSION,
         "config": config_dict(cfg, setup),
@@ -61,8 +64,9 @@ def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
         report["load"]["overloaded"] |= bool(pd["utilization_predicted"]["overloaded"])
     if cfg.headroom:
         caps = [setup.capacities[t] for t in (0, 1, 2)]
-        report["headroom"] = headroom_section((r.keys for r in setup.requests), caps,
-                                              cfg.eviction, cfg.instances)
+        report["headroom"] = headroom_section(
+            (r.keys for r in setup.requests) if accesses is None else accesses, caps,
+            cfg.eviction, cfg.instances)
     report["wall_s"] = round(time.perf_counter() - t0, 3)
     return report
 
