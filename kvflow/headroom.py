@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 from traces.optimum import optimum_curve, optimum_hits
 
-__all__ = ["METHOD", "TIER_NAMES", "AccessLog", "headroom_section", "optimum_curve",
-           "new_access_log", "optimum_hit_rates", "optimum_hits", "record_accesses",
+__all__ = ["METHOD", "TIER_NAMES", "AccessLog", "headroom_section", "new_access_log",
+           "optimum_curve", "optimum_hit_rates", "optimum_hits", "record_accesses",
            "tier_hits"]
 
 #: How the report's optimum was computed, in one line (reports print it).

@@ -3,7 +3,9 @@
 When a step depends on loads still in flight, it is computed layer by layer —
 each layer starts once that layer of every load has landed — which is how
 layer-wise overlap shows up in simulated TTFT. Otherwise the whole step is one
-sleep, so a replay pays one loop wake-up per step, not one per layer.
+sleep, so a replay pays one loop wake-up per step, not one per layer; and a run
+of layers whose loads have landed is a chain of timers (``_Layers``), not a
+wake-up of the step's task per layer.
 
 Prefill/decode disaggregation reads two more things off it: when each layer of
 the last step ended (``layer_ends``: a prefill instance streams a layer's KV
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from heapq import heappush
 
 from kvflow.cost import CostModel
 from kvflow.engine import StepBatch
@@ -178,8 +179,16 @@ class _Layers:
     timer at ``now + per_layer``, as ``asyncio.sleep`` puts it, so every time,
     every sum and the order of timers due at the same instant are the plain
     loop's; what goes is a task wake-up, a future and a sleep call per layer.
+    Where the loop's next iteration would do nothing but fire that timer, the
+    loop does that iteration's heap push and pop and clock move in place
+    (``VirtualTimeLoop.push_or_run``) and the next layer goes on in this call:
+    a run of layers with nothing else due between them costs no loop iteration.
     ``run`` returns the number of layers slept so far, plus one once the overhead
     was slept too.
+
+    (Merging such a run into one timer would be cheaper still, but it changes
+    the heap's layout, and with it which of two timers due at the same instant,
+    such as a sampler tick and an arrival, fires first: reports would move.)
     """
 
     __slots__ = ("ends", "ex", "fut", "handle", "i", "loop", "overhead", "pending",
