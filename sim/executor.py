@@ -172,7 +172,7 @@ class _Layers:
     * every load the step waits on has landed that layer, so the task would not
       wait for one but go straight to its sleep, and
     * the loop says the push is indistinguishable from the task's own one
-      iteration later (``VirtualTimeLoop.chainable``).
+      iteration later (``VirtualTimeLoop.chain``).
 
     Otherwise it wakes the task, exactly where the plain loop's sleep would have
     (and the task goes on as the plain loop does). Each layer's end is its own
@@ -181,7 +181,7 @@ class _Layers:
     loop's; what goes is a task wake-up, a future and a sleep call per layer.
     Where the loop's next iteration would do nothing but fire that timer, the
     loop does that iteration's heap push and pop and clock move in place
-    (``VirtualTimeLoop.push_or_run``) and the next layer goes on in this call:
+    (``VirtualTimeLoop.chain``) and the next layer goes on in this call:
     a run of layers with nothing else due between them costs no loop iteration.
     ``run`` returns the number of layers slept so far, plus one once the overhead
     was slept too.
@@ -210,35 +210,40 @@ class _Layers:
 
     def _end(self) -> None:
         loop = self.loop
+        env = loop.env
         ex = self.ex
         num_layers = ex.num_layers
-        while True:
-            now = loop.env._now
-            i = self.i
+        ends, pending, h = self.ends, self.pending, self.handle
+        i = self.i
+        while i < num_layers:  # (else: the overhead ended)
+            now = env._now
+            ends.append(now)
+            i += 1
             if i < num_layers:
-                self.ends.append(now)
-                i += 1
-                self.i = i
-                if i < num_layers:
-                    if loop.chainable():
-                        for t in self.pending:
-                            if t.layers_done <= i:
-                                break
-                        else:
-                            ex.busy_s += self.per_layer
-                            if loop.push_or_run(self.handle, now + self.per_layer):
-                                continue
-                            return
-                elif self.overhead > 0 and loop.chainable():
+                for t in pending:
+                    if t.layers_done <= i:
+                        break  # the task waits for that layer's load
+                else:
+                    chained = loop.chain(h, now + self.per_layer)
+                    if chained is not None:
+                        ex.busy_s += self.per_layer
+                        if chained:
+                            continue
+                        self.i = i
+                        return
+            elif self.overhead > 0:
+                chained = loop.chain(h, now + self.overhead)
+                if chained is not None:
                     ex.busy_s += self.overhead
-                    self.i = i + 1
-                    if loop.push_or_run(self.handle, now + self.overhead):
-                        continue
+                    i += 1
+                    if chained:
+                        break
+                    self.i = i
                     return
-            # (i past num_layers: the overhead ended)
-            if not self.fut.cancelled():
-                self.fut.set_result(self.i)
-            return
+            break
+        self.i = i
+        if not self.fut.cancelled():
+            self.fut.set_result(i)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

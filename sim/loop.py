@@ -143,7 +143,7 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
                 "which VirtualTimeLoop drives directly"
             )
         self.env = env
-        #: True while the callback running is its iteration's only one (see ``chainable``).
+        #: True while the callback running is its iteration's only one (see ``chain``).
         self.solo = False
 
     # ------------------------------------------------------------------ clock
@@ -181,56 +181,52 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
             ready.append(h)
         n = len(ready)
         # A callback that runs alone in its iteration may chain work that would have
-        # run in the next one (``sim.executor``'s layer timers): see ``solo``.
+        # run in the next one (``sim.executor``'s layer timers): see ``chain``.
         self.solo = n == 1
         for _ in range(n):
             h = ready.popleft()
             if not h._cancelled:
                 h._run()
 
-    def chainable(self) -> bool:
-        """May the callback now running push the timer that a callback it would
-        ``call_soon`` (a task it wakes) is to push next iteration, itself and now?
+    def chain(self, h: asyncio.TimerHandle, when: float) -> bool | None:
+        """From the callback of timer ``h`` (fired, so off the heap), put ``h`` back at
+        ``when`` where that is what a task the callback would wake (``call_soon``) is
+        to do first thing next iteration; None where it may not, and nothing is done.
 
-        Yes when it runs alone in its iteration and the next iteration's start
-        would leave the timer heap as it is (no purge of cancelled timers, no
-        cancelled timer at its head): then nothing else runs, and nothing else
-        touches the heap, between the two moments, so the heap, and with it the
-        order of timers due at the same instant, comes out the same, and the
-        iteration saved is one in which only that callback would have run.
+        It may when the callback runs alone in its iteration and the next
+        iteration's start would leave the timer heap as it is (no purge of
+        cancelled timers, no cancelled timer at its head): then nothing else runs,
+        and nothing else touches the heap, between the two moments, so the heap,
+        and with it the order of timers due at the same instant, comes out the
+        same; the iteration saved is one in which only that task would have run.
+
+        Returns True where, moreover, the loop's next iteration would do nothing
+        but fire ``h``: nothing ready, no simpy event and no other timer due at or
+        before ``when``, no purge due. Then that iteration's work on the heap and
+        the clock is done here (push ``h``, move the clock to ``when``, pop ``h``:
+        the push and pop keep the heap's layout what it would be) and the caller
+        runs ``h``'s callback's work itself, alone, as that iteration would.
+        False: ``h`` is on the heap, due at ``when``.
         """
         if not self.solo:
-            return False
+            return None
         sched = self._scheduled
         n = len(sched)
-        if n > _MIN_SCHEDULED and self._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION:
-            return False
-        return not (sched and sched[0]._cancelled)
-
-    def push_or_run(self, h: asyncio.TimerHandle, when: float) -> bool:
-        """Put timer ``h`` (fired, off the heap) back at ``when``, from a callback that
-        ``chainable`` allowed to; or, where the loop's next iteration would do nothing
-        but that timer, do that iteration's work on the heap and clock now and return
-        True: the caller then runs ``h``'s callback itself, alone, as that iteration would.
-
-        "Nothing but that timer": nothing ready, no simpy event and no other timer
-        due at or before ``when``, no purge of cancelled timers due. Then that
-        iteration would push ``h``, move the clock to ``when``, pop ``h`` and run it
-        alone; the push and the pop are done here too, so the heap's layout (and the
-        order of other timers that fall due together later) is what it would be.
-        """
-        sched = self._scheduled
+        cancelled = self._timer_cancelled_count
+        if n > _MIN_SCHEDULED and cancelled / n > _MIN_CANCELLED_FRACTION:
+            return None
+        if sched and sched[0]._cancelled:
+            return None
         h._when = when
+        heappush(sched, h)
         queue = self.env._queue
-        n = len(sched) + 1
-        if (self._ready or self._stopping or (sched and sched[0]._when <= when)
+        n += 1
+        if (self._ready or self._stopping or sched[0] is not h or (n > 1 and (
+                sched[1]._when <= when or (n > 2 and sched[2]._when <= when)))
                 or (queue and queue[0][0] <= when)
-                or (n > _MIN_SCHEDULED
-                    and self._timer_cancelled_count / n > _MIN_CANCELLED_FRACTION)):
-            heappush(sched, h)
+                or (n > _MIN_SCHEDULED and cancelled / n > _MIN_CANCELLED_FRACTION)):
             h._scheduled = True
             return False
-        heappush(sched, h)
         heappop(sched)
         if when > self.env._now:
             self.env._now = when

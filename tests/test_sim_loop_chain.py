@@ -1,9 +1,9 @@
 """A step's layers chained as timers (``sim.executor._Layers``) change nothing a replay sees.
 
 The executor sleeps a step's layers one timer each; where the loads have landed it
-chains them (the timer that ends a layer pushes the next, ``VirtualTimeLoop.chainable``)
+chains them (the timer that ends a layer pushes the next, ``VirtualTimeLoop.chain``)
 and, where nothing else is due, runs the next iteration's push, clock move and pop in
-place (``push_or_run``). Timers due at the same instant fire in the order the heap's
+place. Timers due at the same instant fire in the order the heap's
 layout gives, so the chained run must leave the heap exactly as the plain loop of
 ``asyncio.sleep`` calls does. Here other tasks sleep to instants on a coarse grid
 (ties with each other and with layer ends are common), simpy events fall on the same
