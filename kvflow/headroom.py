@@ -89,10 +89,9 @@ def _native_log() -> Any:
 
 
 def new_access_log(cut: int, native: bool | None = None) -> AccessLog:
-    """An empty ``AccessLog`` keeping ``cut`` keys a request, for a caller that reads the
-    trace anyway (cache mode records it as it replays: no second pass); ``finish`` it
-    after the last ``add``. ``native``: None, the extension's where built; False,
-    Python's."""
+    """An empty ``AccessLog`` (``add`` each request's keys, then ``finish``): what a
+    replay that reads the trace anyway fills as it goes, instead of reading it again.
+    ``native``: None, the extension's where built; False, Python's."""
     make = _native_log() if native is not False else None
     if native and make is None:
         raise RuntimeError("kvflow._index_core has no AccessLog: rebuild the extension")
@@ -139,11 +138,11 @@ def optimum_hit_rates(requests: Iterable[Sequence[Hashable]] | AccessLog,
                       blocks: int | None = None) -> dict[str, float]:
     """Per tier and ``total``, the offline optimum's hit rates at ``capacities``
     (device, host, storage blocks). ``requests`` is read once (a generator will do:
-    only int ids are kept), or is a finished ``AccessLog`` of them cut to the device's
-    capacity. ``blocks``: the denominator (default: every block of every request,
-    untruncated, as a replay counts them)."""
-    log = requests if hasattr(requests, "hits") else \
-        record_accesses(requests, capacities[0])  # type: ignore[arg-type]
+    only int ids are kept), or is an ``AccessLog`` of them already, finished and cut
+    to the device's capacity. ``blocks``: the denominator (default: every block of
+    every request, untruncated, as a replay counts them)."""
+    log = requests if hasattr(requests, "hits") else record_accesses(
+        requests, capacities[0])  # type: ignore[arg-type]
     if blocks is None:
         blocks = log.blocks
     hits = tier_hits(log, capacities)
@@ -159,8 +158,8 @@ def headroom_section(requests: Iterable[Sequence[Hashable]] | AccessLog,
     replay's capacities (``optimum``, as the report's ``hit_rate``), the policy they
     are set against and how they were computed (its time is in the report's
     ``wall_s``). A cluster's instances each see part of the trace: no single-cache
-    optimum applies (``optimum`` None). ``requests`` is read once, only if needed (or
-    is the ``AccessLog`` of them a cache replay recorded as it went)."""
+    optimum applies (``optimum`` None). ``requests`` is read once, only if needed
+    (or is an ``AccessLog`` of them, see ``optimum_hit_rates``)."""
     from kvflow.policy import eviction_label
 
     out: dict[str, Any] = {"eviction": eviction_label(eviction), "method": METHOD,

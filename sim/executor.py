@@ -3,7 +3,9 @@
 When a step depends on loads still in flight, it is computed layer by layer —
 each layer starts once that layer of every load has landed — which is how
 layer-wise overlap shows up in simulated TTFT. Otherwise the whole step is one
-sleep, so a replay pays one loop wake-up per step, not one per layer.
+sleep, so a replay pays one loop wake-up per step, not one per layer; and a run
+of layers whose loads have landed is a chain of timers (``_Layers``), not a
+wake-up of the step's task per layer.
 
 Prefill/decode disaggregation reads two more things off it: when each layer of
 the last step ended (``layer_ends``: a prefill instance streams a layer's KV
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from kvflow.cost import CostModel
 from kvflow.engine import StepBatch
 from kvflow.runtime import TransferTask
+from sim.loop import VirtualTimeLoop
 
 
 class _DecodeRun:
@@ -79,14 +82,29 @@ class SimExecutor:
         overhead = self.cost.step_time_sums(batch.prefill, n, ctx) - self.num_layers * per_layer
         ends: list[float] = []
         self._last_ends = ends
-        for i in range(self.num_layers):
+        num_layers = self.num_layers
+        if per_layer <= 0 or not isinstance(loop, VirtualTimeLoop):
+            for i in range(num_layers):
+                for t in pending:
+                    if t.layers_done <= i:
+                        await t.layer(i)  # raises TransferError if that load failed
+                self.busy_s += per_layer
+                await asyncio.sleep(per_layer)
+                ends.append(loop.time())
+            if overhead > 0:
+                self.busy_s += overhead
+                await asyncio.sleep(overhead)
+            return
+        # The same, with runs of layers whose loads have landed slept as a chain of
+        # timers (``_Layers``): the same times, one wake-up of this task per run.
+        i = 0
+        while i < num_layers:
             for t in pending:
                 if t.layers_done <= i:
                     await t.layer(i)  # raises TransferError if that load failed
             self.busy_s += per_layer
-            await asyncio.sleep(per_layer)
-            ends.append(loop.time())
-        if overhead > 0:
+            i = await _Layers(self, loop, i, per_layer, overhead, pending, ends).run()
+        if i == num_layers and overhead > 0:
             self.busy_s += overhead
             await asyncio.sleep(overhead)
 
@@ -144,6 +162,88 @@ class SimExecutor:
         assert run.handle is not None
         run.handle.cancel()
         run.handle = asyncio.get_running_loop().call_at(run.start + total, _wake, run.wake)
+
+
+class _Layers:
+    """A step's layers slept one after another, as the plain loop sleeps them, but
+    chained: the timer that ends a layer starts the next layer's (and after the last,
+    the step's overhead) itself, instead of waking the step's task to do it, when
+
+    * every load the step waits on has landed that layer, so the task would not
+      wait for one but go straight to its sleep, and
+    * the loop says the push is indistinguishable from the task's own one
+      iteration later (``VirtualTimeLoop.chain``).
+
+    Otherwise it wakes the task, exactly where the plain loop's sleep would have
+    (and the task goes on as the plain loop does). Each layer's end is its own
+    timer at ``now + per_layer``, as ``asyncio.sleep`` puts it, so every time,
+    every sum and the order of timers due at the same instant are the plain
+    loop's; what goes is a task wake-up, a future and a sleep call per layer.
+    Where the loop's next iteration would do nothing but fire that timer, the
+    loop does that iteration's heap push and pop and clock move in place
+    (``VirtualTimeLoop.chain``) and the next layer goes on in this call:
+    a run of layers with nothing else due between them costs no loop iteration.
+    ``run`` returns the number of layers slept so far, plus one once the overhead
+    was slept too.
+
+    (Merging such a run into one timer would be cheaper still, but it changes
+    the heap's layout, and with it which of two timers due at the same instant,
+    such as a sampler tick and an arrival, fires first: reports would move.)
+    """
+
+    __slots__ = ("ends", "ex", "fut", "handle", "i", "loop", "overhead", "pending",
+                 "per_layer")
+
+    def __init__(self, ex: SimExecutor, loop: VirtualTimeLoop, i: int, per_layer: float,
+                 overhead: float, pending: list[TransferTask], ends: list[float]) -> None:
+        self.ex, self.loop, self.i = ex, loop, i
+        self.per_layer, self.overhead = per_layer, overhead
+        self.pending, self.ends = pending, ends
+        self.fut: asyncio.Future[int] = loop.create_future()
+        self.handle = loop.call_at(loop.time() + per_layer, self._end)
+
+    async def run(self) -> int:
+        try:
+            return await self.fut
+        finally:
+            self.handle.cancel()  # as asyncio.sleep does (nothing, once it fired)
+
+    def _end(self) -> None:
+        loop = self.loop
+        env = loop.env
+        ex = self.ex
+        num_layers = ex.num_layers
+        ends, pending, h = self.ends, self.pending, self.handle
+        i = self.i
+        while i < num_layers:  # (else: the overhead ended)
+            now = env._now
+            ends.append(now)
+            i += 1
+            if i < num_layers:
+                for t in pending:
+                    if t.layers_done <= i:
+                        break  # the task waits for that layer's load
+                else:
+                    chained = loop.chain(h, now + self.per_layer)
+                    if chained is not None:
+                        ex.busy_s += self.per_layer
+                        if chained:
+                            continue
+                        self.i = i
+                        return
+            elif self.overhead > 0:
+                chained = loop.chain(h, now + self.overhead)
+                if chained is not None:
+                    ex.busy_s += self.overhead
+                    i += 1
+                    if chained:
+                        break
+                    self.i = i
+                    return
+            break
+        self.i = i
+        if not self.fut.cancelled():
+            self.fut.set_result(i)
 
 
 def _wake(fut: asyncio.Future[None]) -> None:

@@ -143,6 +143,8 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
                 "which VirtualTimeLoop drives directly"
             )
         self.env = env
+        #: True while the callback running is its iteration's only one (see ``chain``).
+        self.solo = False
 
     # ------------------------------------------------------------------ clock
     def time(self) -> float:
@@ -177,10 +179,58 @@ class VirtualTimeLoop(asyncio.BaseEventLoop):
             h = heappop(sched)
             h._scheduled = False
             ready.append(h)
-        for _ in range(len(ready)):
+        n = len(ready)
+        # A callback that runs alone in its iteration may chain work that would have
+        # run in the next one (``sim.executor``'s layer timers): see ``chain``.
+        self.solo = n == 1
+        for _ in range(n):
             h = ready.popleft()
             if not h._cancelled:
                 h._run()
+
+    def chain(self, h: asyncio.TimerHandle, when: float) -> bool | None:
+        """From the callback of timer ``h`` (fired, so off the heap), put ``h`` back at
+        ``when`` where that is what a task the callback would wake (``call_soon``) is
+        to do first thing next iteration; None where it may not, and nothing is done.
+
+        It may when the callback runs alone in its iteration and the next
+        iteration's start would leave the timer heap as it is (no purge of
+        cancelled timers, no cancelled timer at its head): then nothing else runs,
+        and nothing else touches the heap, between the two moments, so the heap,
+        and with it the order of timers due at the same instant, comes out the
+        same; the iteration saved is one in which only that task would have run.
+
+        Returns True where, moreover, the loop's next iteration would do nothing
+        but fire ``h``: nothing ready, no simpy event and no other timer due at or
+        before ``when``, no purge due. Then that iteration's work on the heap and
+        the clock is done here (push ``h``, move the clock to ``when``, pop ``h``:
+        the push and pop keep the heap's layout what it would be) and the caller
+        runs ``h``'s callback's work itself, alone, as that iteration would.
+        False: ``h`` is on the heap, due at ``when``.
+        """
+        if not self.solo:
+            return None
+        sched = self._scheduled
+        n = len(sched)
+        cancelled = self._timer_cancelled_count
+        if n > _MIN_SCHEDULED and cancelled / n > _MIN_CANCELLED_FRACTION:
+            return None
+        if sched and sched[0]._cancelled:
+            return None
+        h._when = when
+        heappush(sched, h)
+        queue = self.env._queue
+        n += 1
+        if (self._ready or self._stopping or sched[0] is not h or (n > 1 and (
+                sched[1]._when <= when or (n > 2 and sched[2]._when <= when)))
+                or (queue and queue[0][0] <= when)
+                or (n > _MIN_SCHEDULED and cancelled / n > _MIN_CANCELLED_FRACTION)):
+            h._scheduled = True
+            return False
+        heappop(sched)
+        if when > self.env._now:
+            self.env._now = when
+        return True
 
     def _advance(self) -> None:
         """Process simpy events until a callback is ready, or jump to the next timer.

@@ -246,6 +246,30 @@ def test_decode_run_is_the_step_by_step_sum_bit_for_bit(
         cm._decode_run_steps(batch, context_sum, max_steps, budget)
 
 
+@settings(max_examples=200, deadline=None)
+@given(batch=st.integers(0, 300), context_sum=st.integers(0, 10**8),
+       max_steps=st.integers(0, 300),
+       budget=st.none() | st.floats(-1.0, 20.0, allow_nan=False),
+       tp=st.sampled_from([1, 2]), calibrated=st.booleans(),
+       model=st.sampled_from(["llama-3-8b", "llama-3-70b"]))
+def test_decode_run_steps_is_decode_step_time_summed(
+        batch: int, context_sum: int, max_steps: int, budget: float | None, tp: int,
+        calibrated: bool, model: str) -> None:
+    """The step-at-a-time run (decode_run's first steps and its fallback) keeps the
+    batch's part of the step time out of its loop; each step must still add exactly
+    ``decode_step_time``, and the run stop at the same step."""
+    profile = load_profile(str(CALIBRATED)) if calibrated else H100
+    cm = CostModel(preset(model), profile, tp)
+    ran, total, ctx = 0, 0.0, context_sum
+    while ran < max_steps:
+        total += cm.decode_step_time(batch, ctx)
+        ran += 1
+        if budget is not None and total >= budget:
+            break
+        ctx += batch
+    assert cm._decode_run_steps(batch, context_sum, max_steps, budget) == (ran, total)
+
+
 def test_gemm_efficiency_curve_shapes_the_weight_time(tmp_path: Path) -> None:
     """A calibrated profile's measured GEMM efficiency by rows divides the weight time:
     few rows run far below the rate of a full chunk, which ``mfu`` keeps."""

@@ -111,14 +111,20 @@ def run_replay(cfg: ReplayConfig,
         cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
     manager = make_manager(cfg, setup.capacities, setup)
     csv_out = None if requests_csv is None else RequestsCsv(requests_csv)
+    # The headroom section's accesses, logged as the replay reads the trace rather
+    # than read again for the report (one instance: a cluster's report has none).
+    accesses = (new_access_log(setup.capacities.device)
+                if cfg.headroom and cfg.instances == 1 and cfg.pd is None else None)
     try:
         with _few_full_collections():
             body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect,
-                                             timeout_s, csv_out))
+                                             timeout_s, csv_out, accesses))
     finally:
         if csv_out is not None:
             csv_out.close()
-    report = assemble_report(cfg, setup, manager, body, t0)
+    if accesses is not None:
+        accesses.finish()
+    report = assemble_report(cfg, setup, manager, body, t0, accesses)
     report["load"]["instances_auto"] = auto
     return report
 
@@ -202,10 +208,13 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
                           progress: Callable[[int, int], None] | None = None,
                           inspect: Inspect | None = None,
                           timeout_s: float | None = None,
-                          csv_out: RequestsCsv | None = None) -> dict[str, Any]:
+                          csv_out: RequestsCsv | None = None,
+                          accesses: AccessLog | None = None) -> dict[str, Any]:
     """The full-mode body: ``cfg.instances`` engines in ``world``, fed the trace's arrivals
     through the router (one instance: ``manager`` is its manager), each on its own
-    hardware (``Setup.instance_specs``), sharing a pool where the config has one."""
+    hardware (``Setup.instance_specs``), sharing a pool where the config has one.
+    ``accesses``: an ``AccessLog`` to add every request's keys to as it arrives (one
+    instance only)."""
     specs = setup.instance_specs(cfg.instances)
     managers = [manager] + [make_manager(cfg, instance_capacities(cfg, s.capacities, i),
                                          setup)
@@ -227,7 +236,7 @@ async def replay_in_world(cfg: ReplayConfig, setup: Setup, manager: CacheManager
         if pool is not None:
             pool.attach(managers)
         body = await _drive(cfg, setup, managers, sites, progress, inspect, timeout_s,
-                            None if pool is None else pool.tier_hits, csv_out)
+                            None if pool is None else pool.tier_hits, csv_out, accesses)
         if pool is not None:
             body["pool"] = pool.report()
         if "instances" in body:
@@ -243,7 +252,8 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
                  sites: list[Site], progress: Callable[[int, int], None] | None,
                  inspect: Inspect | None, timeout_s: float | None,
                  lookup: Callable[..., tuple[int, int, int]] | None = None,
-                 csv_out: RequestsCsv | None = None) -> dict[str, Any]:
+                 csv_out: RequestsCsv | None = None,
+                 accesses: AccessLog | None = None) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
     site = sites[0]  # the clock and the arrivals' sleeps (all instances share the loop)
     parts: list[Part] = []
@@ -290,7 +300,9 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
         nonlocal cursor
         for cursor, req in enumerate(setup.requests):  # cursor is read by next_arrival
             await site.sleep_until(arrivals[cursor])
-            if cluster is None:
+            if accesses is not None:
+                add(req)
+            elif cluster is None:
                 engines[0].add(req)
             else:
                 cluster.add(req, site.clock())
@@ -301,6 +313,16 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             cluster.close()  # under PD, decode instances close once prefill is done
         for run in runs:
             await run
+
+    if accesses is not None:
+        if cluster is not None:
+            raise ValueError("accesses are logged for a replay of one instance only")
+        log_keys = accesses.add
+        arrive = engines[0].add
+
+        def add(req: Any) -> None:
+            log_keys(req.keys)
+            arrive(req)
 
     runs, samplers = [], []
     for p in parts:

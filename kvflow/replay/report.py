@@ -35,11 +35,11 @@ REPORT_VERSION = 1
 
 
 def assemble_report(cfg: ReplayConfig, setup: Setup, manager: CacheManager,
-                    body: dict[str, Any], t0: float, accesses: AccessLog | None = None
-                    ) -> dict[str, Any]:
+                    body: dict[str, Any], t0: float,
+                    accesses: AccessLog | None = None) -> dict[str, Any]:
     """The report around a replay's body (shared by both worlds). ``accesses``: the
-    trace's accesses, recorded while replaying (cache mode), so the headroom section
-    need not read the trace again."""
+    trace's accesses, where the replay logged them as it read the trace (else the
+    headroom section reads it again)."""
     report: dict[str, Any] = {
         "kvflow_report": REPORT_VERSION,
         "config": config_dict(cfg, setup),
