@@ -684,6 +684,12 @@ def _run_core_call(pair, call):
     elif kind == "admit":
         sel, tiers, now, n_dev, n_host = a
         sel = pair.pick(sel)
+        # Referenced nodes only, as the manager's plans (which hold a reference): a node
+        # still in its tier's eviction order keeps its place by its hits in the ranked
+        # orders (length_aware, cost_aware), so counting a hit on it is misuse that the
+        # Python buckets and the native links answer differently (found by this test).
+        keep = [i for i, n in enumerate(sel[0]) if pair.indexed(0, n) and n.ref]
+        sel = [[side[i] for i in keep] for side in sel]
         # Random tiers, or each node's best one (as the manager's plans: None)
         tiers = idx[0].best_tiers(sel[0]) if tiers is None else tiers[:len(sel[0])]
         ids = [(list(range(n_dev)), list(range(20, 20 + n_host))) for _ in (0, 1)]
