@@ -127,6 +127,9 @@ def test_orders_that_see_a_nodes_past_keep_every_node():
 
 
 CASES = {
+    # Best effort: a stored block the plan does not load is one of its private blocks,
+    # and takes its device copy at the end (``PoolViewManager._adopt_private``).
+    "round_robin_best_effort": dict(instances=3, pool_blocks=8000, limit=300),
     "ttft_small_tiers": dict(instances=3, router="ttft", pool_blocks=800, device_blocks=150,
                              host_blocks=300, limit=300),
     "prefix_no_host": dict(instances=4, router="prefix", pool_blocks=3000, device_blocks=200,

@@ -39,6 +39,16 @@ How the pieces meet, without reaching into an engine:
   block once. Only for orders that see nothing of a node's past but its place in
   line (``lru``) and a write policy blind to hit counts: for the others a node
   recalled without its hit count would rank differently, so they keep every node.
+  Every report is the same with or without it (``tests/test_cluster_pool_shed.py``)
+  but in corners where the pool evicts, none seen to move a number but the first:
+  a pool that evicts a block before a child of it (one write publishing siblings,
+  under write_back, can leave the parent older) took the child's copy out of a view
+  with the parent's node, silently; a shed child stays known and is counted in
+  ``dropped_copies`` when it goes. A shed block's storage id goes back to the tier,
+  so ids are handed out in another order (the runtime orders a write after an
+  in-flight read of the same id: a read of a block the pool evicted meanwhile can
+  meet another write). And a view that filled the instance's storage tier used to
+  forget its least recent blocks; shed ones take no id there.
 * **Aggregate bandwidth** (``PoolGate``). Each instance's NIC is its own link in
   the simulated world (its storage links, FIFO with bandwidth and latency). The
   pool's aggregate limit is one FIFO per direction (reads, writes) shared by all
@@ -249,9 +259,10 @@ class PoolViewManager(CacheManager):
         """Drop from the index the view blocks kept for nothing: a ready pool copy and
         no other, no reference, no op filling it, no node below it (then its parent
         may go too). The directory remembers that this instance knows each (its bit
-        in ``held``); their storage block ids go back to the tier's pool. Changes no
-        decision: every question about such a block gets the answer it got before
-        (see the module docstring). Returns how many nodes went."""
+        in ``held``); their storage block ids go back to the tier's pool. A question
+        about such a block (match, sync, the router's view, a write) gets the answer
+        it got before: the corners where it may not are in the module docstring.
+        Returns how many nodes went."""
         pool = self.pool
         if pool is None or not self.sheds:
             return 0
