@@ -25,6 +25,30 @@ How the pieces meet, without reaching into an engine:
   goes before its children, whose reads would otherwise be stranded). An
   evicted block leaves every instance's view (``CacheManager.lost``); a read
   of it already in flight completes (the pool's lease on an object being read).
+* **What an instance keeps** (``PoolViewManager.shed``). The view is the instance's
+  knowledge, and it decides what the instance writes (never a block it knows the
+  pool holds) and what it counts as imported; but a node for every pool block an
+  instance has met would make the cluster hold up to instances x pool blocks
+  nodes. So a block the instance holds in the pool and nowhere else, that nothing
+  references, fills or hangs below, leaves its index: its node goes and the
+  directory keeps one bit for it (``PoolDirectory.held``). The next ``sync`` that
+  walks it makes it a node again (``recall``), a copy the instance knew, neither
+  imported nor counted again; a pool eviction counts it as a dropped copy, as it
+  would the node. An instance's index then holds its own tiers' blocks, what is
+  referenced or in flight, and their ancestors; the pool's index holds each pool
+  block once. Only for orders that see nothing of a node's past but its place in
+  line (``lru``) and a write policy blind to hit counts: for the others a node
+  recalled without its hit count would rank differently, so they keep every node.
+  Every report is the same with or without it (``tests/test_cluster_pool_shed.py``)
+  but in corners where the pool evicts, none seen to move a number but the first:
+  a pool that evicts a block before a child of it (one write publishing siblings,
+  under write_back, can leave the parent older) took the child's copy out of a view
+  with the parent's node, silently; a shed child stays known and is counted in
+  ``dropped_copies`` when it goes. A shed block's storage id goes back to the tier,
+  so ids are handed out in another order (the runtime orders a write after an
+  in-flight read of the same id: a read of a block the pool evicted meanwhile can
+  meet another write). And a view that filled the instance's storage tier used to
+  forget its least recent blocks; shed ones take no id there.
 * **Aggregate bandwidth** (``PoolGate``). Each instance's NIC is its own link in
   the simulated world (its storage links, FIFO with bandwidth and latency). The
   pool's aggregate limit is one FIFO per direction (reads, writes) shared by all
@@ -46,8 +70,10 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 from kvflow.cluster.instances import tier_hits
-from kvflow.manager import CacheManager, Plan, Reservation, TransferOp
-from kvflow.radix import ABSENT, Tier
+from kvflow.index_core import NO_INFLIGHT
+from kvflow.manager import CacheManager, Capacities, Plan, Reservation, TransferOp
+from kvflow.policy import PrefetchPolicy, WritePolicy
+from kvflow.radix import ABSENT, READY, Node, Tier
 
 __all__ = ["GlobalPool", "PoolDirectory", "PoolGate", "PoolViewManager"]
 
@@ -59,7 +85,9 @@ class PoolDirectory:
     """The pool's one index: the blocks whose write has completed, least recent first.
 
     ``entries`` maps a block's key to its parent's key (None for a root), in
-    recency order. See the module docstring for the eviction order.
+    recency order. See the module docstring for the eviction order. ``held``: for
+    a block some instances know without keeping a node for it, one bit per such
+    instance (``PoolViewManager.shed``); a block leaves it when it leaves the pool.
     """
 
     def __init__(self, capacity_blocks: int) -> None:
@@ -68,6 +96,8 @@ class PoolDirectory:
             raise ValueError(f"pool capacity must be an integer >= 1, got {capacity_blocks!r}")
         self.capacity = capacity_blocks
         self.entries: OrderedDict[Hashable, Hashable | None] = OrderedDict()
+        self.held: dict[Hashable, int] = {}
+        self.masks: dict[int, int] = {}  # one int object per distinct mask (they repeat)
         self.published = 0  # blocks that entered the pool
         self.rewritten = 0  # writes of blocks it held already
         self.evicted = 0
@@ -163,19 +193,42 @@ class PoolGate:
 class PoolViewManager(CacheManager):
     """A ``CacheManager`` whose storage tier is its view of a ``GlobalPool``.
 
-    Without a pool attached it is a plain ``CacheManager``.
+    Without a pool attached it is a plain ``CacheManager``. With one, the blocks of
+    its view that it keeps nothing else of leave its index (``shed``) and come back
+    when a request walks them (``recall``); see the module docstring.
     """
 
     pool: GlobalPool | None = None
+    #: This instance's bit in ``PoolDirectory.held`` (set by ``GlobalPool.attach``).
+    bit = 0
+    #: ``shed`` runs once the index has grown by this many nodes since the last one
+    #: (None: the local tiers' size, device + host blocks).
+    shed_every: int | None = None
+
+    def __init__(self, capacities: Capacities, eviction: str = "lru",
+                 write_policy: WritePolicy | str = "write_through",
+                 prefetch_policy: PrefetchPolicy | str = "best_effort",
+                 index_core: str | None = None, **kw: Any) -> None:
+        super().__init__(capacities, eviction, write_policy, prefetch_policy, index_core, **kw)
+        #: Whether view blocks may leave the index: the order and the write policy must
+        #: see nothing of a node but its place in line (a recalled node's hit count is 0).
+        self.sheds = eviction.lower() == "lru" and \
+            self.write_policy.name != "write_through_selective"
+        self.shed_slack = self.shed_every or max(1, capacities.device + capacities.host)
+        self.shed_at = self.shed_slack
 
     def prefetch(self, keys: Sequence[Hashable], blocks_per_op: int = 4) -> Reservation:
         if self.pool is not None:
+            if len(self.index.nodes) > self.shed_at:
+                self.shed()
             self.pool.sync(self, keys)
         return super().prefetch(keys, blocks_per_op)
 
     def plan(self, request_id: Hashable, keys: Sequence[Hashable], extra_blocks: int = 0,
              use_storage: bool = True, device_only: bool = False) -> Plan:
         if self.pool is not None and not device_only:  # (device_only loads nothing)
+            if len(self.index.nodes) > self.shed_at:
+                self.shed()
             self.pool.sync(self, keys)
         return super().plan(request_id, keys, extra_blocks, use_storage, device_only)
 
@@ -184,6 +237,97 @@ class PoolViewManager(CacheManager):
         if ok and op.dst_tier == STORAGE and self.pool is not None:
             self.pool.written(op)
         return follow
+
+    def _adopt_private(self, plan: Plan) -> None:
+        """As ``CacheManager._adopt_private``, with the view's shed blocks among the
+        request's private ones recalled first: a block the index held when the plan
+        was made (stored, not loaded under best effort) takes the request's device
+        block as its copy, as it would have had its node stayed."""
+        pool = self.pool
+        if pool is not None and plan.private:
+            held = pool.directory.held
+            bit = self.bit
+            get = self.index.get
+            keys = plan.keys
+            back = [(keys[i], keys[i - 1] if i else None) for i in plan.private
+                    if held.get(keys[i], 0) & bit and get(keys[i]) is None]
+            if back:
+                self.recall(back)
+        super()._adopt_private(plan)
+
+    def shed(self) -> int:
+        """Drop from the index the view blocks kept for nothing: a ready pool copy and
+        no other, no reference, no op filling it, no node below it (then its parent
+        may go too). The directory remembers that this instance knows each (its bit
+        in ``held``); their storage block ids go back to the tier's pool. A question
+        about such a block (match, sync, the router's view, a write) gets the answer
+        it got before: the corners where it may not are in the module docstring.
+        Returns how many nodes went."""
+        pool = self.pool
+        if pool is None or not self.sheds:
+            return 0
+        index = self.index
+        nodes = index.nodes
+        entries = pool.directory.entries
+        held = pool.directory.held
+        one = pool.directory.masks.setdefault
+        bit = self.bit
+        drop_copy = index.drop_copy
+        ids: list[int] = []
+        for node in [n for n in nodes.values() if n.children == 0 and n.ref == 0]:
+            while _idle_in_pool(node) and node.key in entries:
+                ids.append(drop_copy(node, STORAGE))  # its last copy: the node goes
+                key = node.key
+                mask = held.get(key, 0) | bit
+                held[key] = one(mask, mask)
+                parent = node.parent
+                if parent is None or parent.children or parent.ref:
+                    break
+                node = parent
+        if ids:
+            self.pools[STORAGE].free(ids)
+        self.shed_at = len(nodes) + self.shed_slack
+        return len(ids)
+
+    def recall(self, items: Sequence[tuple[Hashable, Hashable | None]]) -> int:
+        """Blocks of the view that ``shed`` took out of the index (``(key, parent key)``,
+        parents first) become nodes again, ready in storage, as they were; not
+        imports. One whose parent is no longer indexed and matchable leaves the view
+        instead (as its node would have gone with the parent's last copy). Returns
+        how many came back."""
+        pool = self.pool
+        assert pool is not None
+        held = pool.directory.held
+        one = pool.directory.masks.setdefault
+        keep = ~self.bit
+        index = self.index
+        get = index.get
+        blocks = self.pools[STORAGE]
+        ids = blocks.allocate(min(len(items), blocks.num_free))
+        used = 0
+        for key, parent_key in items:
+            mask = held.pop(key, 0) & keep
+            if mask:
+                held[key] = one(mask, mask)
+            if used == len(ids) or get(key) is not None:
+                continue
+            parent = None
+            if parent_key is not None:
+                parent = get(parent_key)
+                if parent is None or not parent.matchable:
+                    continue
+            index.set_copy(index.insert(key, parent), STORAGE, ids[used], READY)
+            used += 1
+        blocks.free(ids[used:])
+        return used
+
+
+def _idle_in_pool(node: Node) -> bool:
+    """Whether the pool holds all an instance keeps of ``node``: a ready storage copy,
+    no other, and no op filling any of its copies (references and children: the caller)."""
+    st = node.state
+    return (st[2] == READY and st[0] == ABSENT and st[1] == ABSENT
+            and node.inflight is NO_INFLIGHT)
 
 
 class GlobalPool:
@@ -199,6 +343,7 @@ class GlobalPool:
             if not isinstance(m, PoolViewManager):
                 raise TypeError(f"a pool's instances need a PoolViewManager, got {m!r}")
             m.pool = self
+            m.bit = 1 << len(self.managers)
             self.managers.append(m)
 
     # -- what the managers tell the pool ------------------------------------------------------
@@ -210,18 +355,29 @@ class GlobalPool:
         if evicted:
             for m in self.managers:
                 m.lost(STORAGE, evicted)
+            held = self.directory.held
+            for key in evicted:  # copies known without a node go as well (``shed``)
+                mask = held.pop(key, 0)
+                if mask:
+                    for m in self.managers:
+                        if mask & m.bit:
+                            m.stats.lost_copies += 1
 
-    def sync(self, manager: CacheManager, keys: Sequence[Hashable]) -> None:
+    def sync(self, manager: PoolViewManager, keys: Sequence[Hashable]) -> None:
         """Before ``manager`` matches ``keys``: what the pool holds of them becomes known to it.
 
         Walks the request's chain while the instance or the pool holds each block;
-        blocks the pool holds and the view lacks become storage copies (``found``).
+        blocks the pool holds and the view lacks become storage copies (``found``),
+        blocks of the view that left the index become nodes again (``recall``).
         The deepest block the instance will read from the pool is touched, with its
         ancestors.
         """
         entries = self.directory.entries
+        held = self.directory.held
+        bit = manager.bit
         get = manager.index.get
         items: list[tuple[Hashable, Hashable | None]] = []
+        back: list[tuple[Hashable, Hashable | None]] = []
         parent: Hashable | None = None
         deepest: Hashable | None = None  # of the blocks it will read from the pool
         for key in keys:
@@ -229,7 +385,10 @@ class GlobalPool:
             if node is None:
                 if key not in entries:
                     break
-                items.append((key, parent))
+                if held.get(key, 0) & bit:
+                    back.append((key, parent))
+                else:
+                    items.append((key, parent))
                 deepest = key
             elif node.matchable:
                 if node.state[STORAGE] == ABSENT and key in entries:
@@ -239,6 +398,8 @@ class GlobalPool:
             else:
                 break  # being computed here: what lies below is not matchable yet
             parent = key
+        if back:
+            manager.recall(back)
         if items:
             manager.found(STORAGE, items)
         if deepest is not None:
