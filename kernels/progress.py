@@ -14,10 +14,10 @@ twice: in device memory, where a stream waits on it with ``cuStreamWaitValue32``
 (GEQ compares exactly so, wrap-around included), and in pinned host memory,
 where the host reads it with no CUDA call at all, which is what the runtime's
 lazy layer reports need (``CudaTask.layers_reported``). Why twice: a stream
-waiting on a host word polls it over PCIe, and on the H100 a probe stream
-waiting layer by layer on host words during a host -> device copy fell up to
-~1 ms behind the copy (``benchmarks/results/host_layouts.md``), which fits polls
-queued behind the copy's reads.
+waiting on a host word polls it over PCIe, behind the copy's own reads. (A probe
+stream on the H100 once saw layers up to ~1 ms late; that lag was the kernel's
+warps drifting apart, fixed by handing out units in layer order:
+``benchmarks/results/host_layouts.md``, call 5.)
 
 Stream memory operations are part of the driver API (CUDA 11.7+ enables them
 by default), which CuPy does not wrap: bound here with ctypes, as

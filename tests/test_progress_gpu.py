@@ -4,9 +4,9 @@ The word of a layer must not say "landed" before the layer's bytes are on the
 destination: a stream that waits on it (``cuStreamWaitValue32``) and then reads
 must see every byte, while the copying stream is still held back by a spin.
 
-Run on the H100 (2026-11-25) before the words got their device copy (streams then
-waited on the host words); the device copy is compiled and checked here, not yet
-run on a GPU.
+Words also flip in layer order (the kernel hands out units from one counter and
+passes a token from layer to layer). Run on the H100 (2026-11-25, call 5 of
+``benchmarks/results/host_layouts.md``): 13 passed.
 """
 
 from __future__ import annotations
