@@ -213,13 +213,15 @@ def bandwidth(mib: int, reps: int = 5) -> None:
               f"{row['op'][1]:.0f} |", flush=True)
     # when each layer lands: a probe stream waits on layer i (word or event), records
     probe = cp.cuda.Stream(non_blocking=True)
-    marks = (0, 7, 15, 23, 31)
+    marks = (0, 3, 7, 11, 15, 19, 23, 27, 31)
     print(f"\nh2d, when layer i lands, as a fraction of the op's GPU time (median of {reps}; "
           "a probe stream waits on the layer's word / event and records: what a compute "
-          "stream's wait_layer sees)")
-    print("| launch | " + " | ".join(f"layer {i}" for i in marks) + " |\n|---" * 1
-          + "|---" * len(marks) + "|")
+          "stream's wait_layer sees); last column: the largest gap to the per-layer row "
+          "over all layers")
+    print("| launch | " + " | ".join(f"layer {i}" for i in marks) + " | max gap |\n|---"
+          + "|---" * (len(marks) + 1) + "|")
     c, prep, st = ways["h2d"][0]
+    per_mode: dict[str, list[float]] = {}
     for mode in ("layer", "op"):
         fr: list[list[float]] = []
         for _ in range(reps + 1):
@@ -247,10 +249,12 @@ def bandwidth(mib: int, reps: int = 5) -> None:
             end.synchronize()
             probe.synchronize()
             total = cp.cuda.get_elapsed_time(start, end)
-            fr.append([cp.cuda.get_elapsed_time(start, evs[i]) / total for i in marks])
-        med = [statistics.median(f[j] for f in fr[1:]) for j in range(len(marks))]
+            fr.append([cp.cuda.get_elapsed_time(start, e) / total for e in evs])
+        per_mode[mode] = [statistics.median(f[i] for f in fr[1:]) for i in range(L)]
+        gap = max(abs(a - b) for a, b in zip(per_mode[mode], per_mode["layer"], strict=True))
         print(f"| {'per layer' if mode == 'layer' else 'one (words)'} | "
-              + " | ".join(f"{x:.3f}" for x in med) + " |", flush=True)
+              + " | ".join(f"{per_mode[mode][i]:.3f}" for i in marks if i < L)
+              + f" | {gap:.3f} |", flush=True)
     be.synchronize()
 
 

@@ -111,24 +111,24 @@ class CudaBackend:
     ops of models with at most ``eager_layers`` layers are not deferred at all.
     Only while an event loop runs; otherwise every layer is enqueued at submit.
 
-    ``one_launch`` (``None``: ``ONE_LAUNCH_DEFAULT``, off for now): an op the swap kernel
+    ``one_launch`` (``None``: ``ONE_LAUNCH_DEFAULT``, on): an op the swap kernel
     moves whole (``layer_major``, pieces under ``dma_min_bytes``, no runs for the copy
     engine) is one launch of the signalling kernel, which marks each layer in a
     progress word as it lands (``kernels.progress``): waits on its layers are
     ``cuStreamWaitValue32`` on those words, and the whole op is enqueued at submit
     (H100 host: a launch costs ~5.5 us of CPU, 32 per-layer launches ~190 us; one
-    launch ~10 us, at 1.02-1.08x the per-layer launches' bandwidth). Off by default
-    because a stream waiting on the words saw layers land later than per-layer
-    launches do (layer 23 of 32 at 0.93 of the op against 0.75;
-    ``benchmarks/results/host_layouts.md``): bytes and order are right, the overlap's
-    granularity is not yet.
+    launch ~10 us, at 1.02-1.08x the per-layer launches' bandwidth). The kernel's
+    warps take units from one counter in layer order, so layers land when they would
+    with a launch per layer (``benchmarks/results/host_layouts.md``; before, with a
+    fixed share per warp, layer 23 of 32 landed at 0.93 of the op against 0.75), and
+    the words flip in layer order.
     A sink that reads layers lazily (``lazy_layers``: the runtime's tasks) gets a
     host function at the op's end and for the layers it awaits only (~19 us of CPU
     each); others get one per launch unit, as before.
     """
 
     #: ``one_launch`` when not given (benchmarks flip it for a whole process).
-    ONE_LAUNCH_DEFAULT = False
+    ONE_LAUNCH_DEFAULT = True
 
     def __init__(
         self,

@@ -14,10 +14,10 @@ twice: in device memory, where a stream waits on it with ``cuStreamWaitValue32``
 (GEQ compares exactly so, wrap-around included), and in pinned host memory,
 where the host reads it with no CUDA call at all, which is what the runtime's
 lazy layer reports need (``CudaTask.layers_reported``). Why twice: a stream
-waiting on a host word polls it over PCIe, and on the H100 a probe stream
-waiting layer by layer on host words during a host -> device copy fell up to
-~1 ms behind the copy (``benchmarks/results/host_layouts.md``), which fits polls
-queued behind the copy's reads.
+waiting on a host word polls it over PCIe, behind the copy's own reads. (A probe
+stream on the H100 once saw layers up to ~1 ms late; that lag was the kernel's
+warps drifting apart, fixed by handing out units in layer order:
+``benchmarks/results/host_layouts.md``, call 5.)
 
 Stream memory operations are part of the driver API (CUDA 11.7+ enables them
 by default), which CuPy does not wrap: bound here with ctypes, as
@@ -35,6 +35,9 @@ import numpy as np
 from kernels._cuda import cupy_module
 from kernels.dma import _load_libcuda
 
+#: u32 words ahead of the per-layer arrival counters in ``ProgressWords.counters`` (the
+#: signal kernel's unit counter, a u64, and its exited-warps count); swap.cu kSignalHeader.
+SIGNAL_HEADER = 4
 #: CU_STREAM_WAIT_VALUE_GEQ: wait until (int32_t)(*addr - value) >= 0.
 _WAIT_GEQ = 0
 #: CU_STREAM_WRITE_VALUE_DEFAULT.
@@ -86,11 +89,12 @@ class ProgressError(RuntimeError):
 
 
 class ProgressWords:
-    """``n`` progress words (device and pinned host) and the signal kernel's arrival
-    counters (device).
+    """``n`` progress words (device and pinned host) and the signal kernel's counters
+    (device: ``SIGNAL_HEADER`` words for handing out units, then one arrival count per layer).
 
-    One per copier (one direction, its streams): ``seq`` numbers its ops. The
-    counters are zero between launches (the kernel leaves them so).
+    One per copier (one direction, its stream): ``seq`` numbers its ops. The
+    counters are zero between launches (the kernel leaves them so); the launches
+    that share them must be ordered (one stream), as a copier's are.
     """
 
     def __init__(self, n: int) -> None:
@@ -107,7 +111,7 @@ class ProgressWords:
         #: The device copy of the words: what streams wait on.
         self.dev = cp.zeros(n, dtype=np.uint32)
         self.dev_ptr = int(self.dev.data.ptr)
-        self.counters = cp.zeros(n, dtype=np.uint32)
+        self.counters = cp.zeros(SIGNAL_HEADER + n, dtype=np.uint32)
         self.counters_ptr = int(self.counters.data.ptr)
         self.seq = 0
 

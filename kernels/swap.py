@@ -75,6 +75,8 @@ DEFAULT_STAGING_BYTES = 1 << 20
 _MEMCPY_DEFAULT = 4
 #: cudaMemcpy2D rejects pitches of 2 GiB and more.
 _MAX_PITCH = (1 << 31) - 1
+#: Units (chunks) per layer the signal kernel counts in 32 bits (with the layer's token).
+_MAX_LAYER_UNITS = (1 << 32) - 1
 _PACK8 = struct.Struct("<8q")
 _PACK12 = struct.Struct("<12q")
 
@@ -123,9 +125,14 @@ class SwapKernels:
                       counters_ptr: int, dev_words_ptr: int, words_ptr: int, seq: int) -> None:
         """``launch``, and layer i of the launch, once landed, sets ``dev_words[i]`` and
         ``words[i]`` to ``seq`` (``kernels.progress``; ``counters``: the words' device
-        arrival counters; each pointer at the launch's first layer). Every layer is
-        signalled, even with no blocks."""
-        units = args[7] * args[3] * args[5]
+        counters, ``ProgressWords.counters``; the words' pointers at the launch's first
+        layer). Layers are signalled in order, every one, even with no blocks; the
+        warps take units from one counter in layer order, so layers land in order too."""
+        per_layer = args[7] * args[3]
+        if per_layer >= _MAX_LAYER_UNITS:
+            raise ValueError(f"{args[7]} blocks of {args[3]} chunks: over the signal kernel's "
+                             f"{_MAX_LAYER_UNITS - 1} units per layer")
+        units = per_layer * args[5]
         grid = max(1, min(ctas, -(-units // (THREADS // 32))))
         full = (*args, counters_ptr, dev_words_ptr, words_ptr, seq)
         if self._raw is None:  # pragma: no cover - CuPy without the driver binding

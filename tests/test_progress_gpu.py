@@ -4,15 +4,16 @@ The word of a layer must not say "landed" before the layer's bytes are on the
 destination: a stream that waits on it (``cuStreamWaitValue32``) and then reads
 must see every byte, while the copying stream is still held back by a spin.
 
-Run on the H100 (2026-11-25) before the words got their device copy (streams then
-waited on the host words); the device copy is compiled and checked here, not yet
-run on a GPU.
+Words also flip in layer order (the kernel hands out units from one counter and
+passes a token from layer to layer). Run on the H100 (2026-11-25, call 5 of
+``benchmarks/results/host_layouts.md``): 13 passed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -89,6 +90,77 @@ def test_signal_kernel_words_say_landed_only_after_the_bytes(ctas: int) -> None:
                                               backend.host_kv(layer, role)[src],
                                               err_msg=f"round {round_} layer {layer}")
         prep.release()
+
+
+#: Bigger than SPEC: 16 chunks a block, so an op of 128 blocks gives 300 CTAs work.
+ORDER_SPEC = ModelSpec("order", num_layers=12, num_kv_heads=8, head_dim=128)
+
+
+@pytest.mark.parametrize("way", ["h2d", "d2h"])
+@pytest.mark.parametrize("ctas", [4, 300])
+def test_signal_kernel_flips_words_in_layer_order(way: str, ctas: int) -> None:
+    """Words flip strictly in layer order (a late unit of layer i holds back layer i + 1's
+    word, so waiting on a layer covers the ones before it), also with more CTAs than the
+    GPU holds at once (300 > 132 SMs: the late ones find no work left); a device -> host
+    layer's bytes are in host memory when the host sees its word."""
+    rng = np.random.default_rng(ctas)
+    L, n = ORDER_SPEC.num_layers, 128
+    backend = CudaBackend(ORDER_SPEC, n, n, min_run_bytes=1 << 40, dma="never")
+    c = backend.h2d if way == "h2d" else backend.d2h
+    words, stream = c.progress, (backend.load_stream if way == "h2d" else backend.store_stream)
+    src, dst = rng.permutation(n).tolist(), rng.permutation(n).tolist()
+    want = {}  # d2h: what each layer and role's destination blocks must hold
+    for layer in range(L):
+        for role in backend.roles:
+            fill = rng.integers(0, 256, size=(n, backend.host_kv(layer, role).shape[1]),
+                                dtype=np.uint8)
+            want[layer, role] = fill[src]
+            if way == "h2d":
+                backend.host_kv(layer, role)[...] = fill
+                backend.device_kv(layer, role)[...] = 0
+            else:
+                backend.host_kv(layer, role)[...] = 0
+                backend.device_kv(layer, role)[...] = cp.asarray(fill)
+    cp.cuda.Device().synchronize()
+    for _ in range(2):  # the second launch finds the counters at zero again
+        seq = words.take()
+        prep = c.prepare(src, dst)
+        assert c.signals(prep)
+        spin(stream, 0.02)
+        c.launch_signal(prep, stream, seq, ctas=ctas)
+        top, checked, deadline = -1, 0, time.monotonic() + 20
+        while top < L - 1:
+            # read from the last layer down: once word j says landed, every word read after
+            # it (the layers before j) must say so too
+            top = next((j for j in reversed(range(L)) if words.landed(j, seq)), -1)
+            late = [i for i in range(top) if not words.landed(i, seq)]
+            assert not late, f"layer {top} landed before layers {late}"
+            if way == "d2h":  # the bytes of every layer the host has seen land
+                for layer in range(checked, top + 1):
+                    for role in backend.roles:
+                        np.testing.assert_array_equal(
+                            backend.host_kv(layer, role)[dst], want[layer, role],
+                            err_msg=f"layer {layer} {role}: word before bytes")
+                checked = top + 1
+            assert time.monotonic() < deadline, "the words never all flipped"
+        stream.synchronize()
+        assert not cp.asnumpy(words.counters).any()
+        assert (cp.asnumpy(words.dev) == seq).all()
+        prep.release()
+
+
+def test_signal_kernel_with_no_blocks_signals_every_layer() -> None:
+    backend = CudaBackend(SPEC, 8, 8, min_run_bytes=1 << 40, dma="never")
+    c, L = backend.h2d, SPEC.num_layers
+    words, stream = ProgressWords(L), backend.load_stream
+    for ctas in (1, 3):
+        seq = words.take()
+        c.kernels.launch_signal(stream.ptr, ctas, (c._table_ptr, c._roles_ptr, c.num_roles,
+                                                   c.chunks_per_block, 0, L, 0, 0),
+                                words.counters_ptr, words.dev_ptr, words.ptr, seq)
+        stream.synchronize()
+        assert (words.words == seq).all() and (cp.asnumpy(words.dev) == seq).all()
+        assert not cp.asnumpy(words.counters).any()
 
 
 def test_write_and_wait_order_two_streams() -> None:
