@@ -155,7 +155,8 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         # The last plan call, where it failed having changed nothing: (version, its
         # arguments, needed, available); a retry at the same version is skipped.
         self._failed_retry: FailedPlan | None = None
-        self._retry_skip = (eviction.lower() in RETRY_SKIP_POLICIES and future is None)
+        self._plain_orders = eviction.lower() in RETRY_SKIP_POLICIES
+        self._retry_skip = self._plain_orders and future is None
         self._short_tiers = 0  # bit t: the plan under way evicted (or tried to) on tier t
         # Tiers whose eviction asks the storage tier for room (itself, the one above it).
         self._storage_readers = sum(1 << t for t in (0, 1, 2)

@@ -168,8 +168,11 @@ class PlanningMixin:
             # ours; copy-outs already started stay valid and are handed out apart.
             self.pools[DEVICE].free(dev_ids)
             self.pools[HOST].free(host_ids)
-            for n in matched:
-                index.unref(n)
+            if self._plain_orders:  # one order per tier: the core's bulk release is the loop
+                index.release(matched)
+            else:
+                for n in matched:
+                    index.unref(n)
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
             if self.version == version and self._retry_skip and self.skip_failed_retries:
