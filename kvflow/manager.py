@@ -152,8 +152,8 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         # Bumped by every change of the pools, the index or the orders other than a
         # failed plan's reference round trip and its scans that took nothing.
         self.version = 0
-        # The last plan call, where it failed having changed nothing: (version, its
-        # arguments, needed, available); a retry at the same version is skipped.
+        # The last plan call, where it failed having changed nothing (and the policy
+        # makes that a fixed point): an identical call at the same version is skipped.
         self._failed_retry: FailedPlan | None = None
         self._plain_orders = eviction.lower() in RETRY_SKIP_POLICIES
         self._retry_skip = self._plain_orders and future is None

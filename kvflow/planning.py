@@ -111,6 +111,9 @@ class PlanningMixin:
         request's own blocks are given back; evictions made stay made, their
         copy-outs in ``detached_ops``. A block that a copy in flight is filling
         becomes evictable only once it lands, so the same plan may fit then.
+        A call identical to the last one, which failed having changed nothing, is
+        not run again while nothing it reads has changed (``FailedPlan``): it
+        raises the same error at once.
         """
         keys = tuple(keys)
         last = self._failed_retry
