@@ -30,16 +30,18 @@ class FailedPlan:
     place: nothing moves, and it fails the same way. So while nothing it reads has
     changed (``version``, bumped by every other change that could matter;
     ``CacheManager._commit_check`` and ``complete`` spell out the changes that
-    cannot), the retry is skipped: counted as rejected, with the same error.
+    cannot; and the index's ``mutations``, for changes others make through it),
+    the retry is skipped: counted as rejected, with the same error.
     """
 
-    __slots__ = ("args", "available", "blocker", "keys", "needed", "reads_storage",
-                 "request_id", "version")
+    __slots__ = ("args", "available", "blocker", "keys", "mutations", "needed",
+                 "reads_storage", "request_id", "version")
 
-    def __init__(self, version: int, request_id: Hashable, keys: tuple[Hashable, ...],
-                 args: tuple[int, bool, bool], needed: int, available: int,
-                 blocker: Node | None, reads_storage: bool) -> None:
+    def __init__(self, version: int, mutations: int, request_id: Hashable,
+                 keys: tuple[Hashable, ...], args: tuple[int, bool, bool], needed: int,
+                 available: int, blocker: Node | None, reads_storage: bool) -> None:
         self.version = version
+        self.mutations = mutations  # the index's count of changes made through it
         self.request_id = request_id
         self.keys = keys
         self.args = args  # extra_blocks, use_storage, device_only
@@ -118,7 +120,8 @@ class PlanningMixin:
         keys = tuple(keys)
         last = self._failed_retry
         if last is not None:
-            if (last.version == self.version and last.request_id == request_id
+            if (last.version == self.version and last.mutations == self.index.mutations
+                    and last.request_id == request_id
                     and last.args == (extra_blocks, use_storage, device_only)
                     and last.keys == keys):
                 # This plan failed last, changing nothing, and nothing it reads has
@@ -180,8 +183,8 @@ class PlanningMixin:
             self.stats.rejected_plans += 1
             if self.version == version and self._retry_skip and self.skip_failed_retries:
                 self._failed_retry = FailedPlan(
-                    version, request_id, keys, (extra_blocks, use_storage, device_only),
-                    needed, len(dev_ids),
+                    version, index.mutations, request_id, keys,
+                    (extra_blocks, use_storage, device_only), needed, len(dev_ids),
                     # the block the match stopped at: absent, or being computed
                     index.nodes.get(keys[stop]) if stop < len(keys) else None,
                     bool(self._short_tiers & self._storage_readers))

@@ -77,6 +77,24 @@ def test_a_commit_of_the_block_the_match_stopped_at_is_not_skipped(core: str) ->
     m.check_invariants()
 
 
+@pytest.mark.parametrize("core", CORES)
+def test_a_copy_dropped_through_the_index_by_someone_else_is_seen(core: str) -> None:
+    # A cluster pool's view drops (``shed``) and re-adds (``recall``) storage copies
+    # through the index itself, not the manager's verbs: the skip must see that too.
+    m = _manager(core, device=4, storage=8)
+    m.found(2, [(50, None), (51, None)])
+    m.plan("a", [1, 2, 3, 4])
+    _fails(m, "b", [5, 6, 7])
+    _fails(m, "b", [5, 6, 7])
+    assert m.skipped_plans == 1
+    node = m.index.get(51)
+    m.pools[2].free([m.index.drop_copy(node, 2)])
+    _fails(m, "b", [5, 6, 7])
+    assert m.skipped_plans == 1
+    _fails(m, "b", [5, 6, 7])  # and once that retry failed the same way, again
+    assert m.skipped_plans == 2
+
+
 @pytest.mark.parametrize("eviction", ["s3fifo", "arc", "length_aware"])
 def test_policies_whose_failed_plans_move_blocks_never_skip(eviction: str) -> None:
     m = _manager("python", device=4, eviction=eviction)
