@@ -24,6 +24,15 @@ class CompletionMixin:
         a device copy some request is waiting for becomes that request's to
         recompute; any other copy being filled is dropped.
         """
+        retry = self._failed_retry
+        if not (ok and retry is not None and (
+                # copies landing on the device for requests that hold them: they were
+                # usable and unevictable before, and stay so (unless the plan takes
+                # device-ready blocks only); copies landing in storage: the same for
+                # the tiers above, and the plan did not look at storage's room
+                (op.dst_tier == DEVICE and not retry.args[2] and all(n.ref for n in op.nodes))
+                or (op.dst_tier == STORAGE and not retry.reads_storage))):
+            self.version += 1
         if self.inflight.pop(op.op_id, None) is None:
             raise ValueError(f"op {op.op_id} is not in flight")
         index = self.index
@@ -57,6 +66,7 @@ class CompletionMixin:
         them corrupt): drop their ready copies there (with the subtree of a block left
         with no copy), so they are neither matched nor read again and a later backup
         writes them anew. Returns how many copies went."""
+        self.version += 1
         dropped = 0
         for key in keys:
             node = self.index.get(key)
@@ -80,6 +90,7 @@ class CompletionMixin:
         as many as can be had, parents first; copy-outs those evictions start wait in
         ``detached_ops``. Returns how many copies were recorded.
         """
+        self.version += 1
         index = self.index
         get = index.get
         todo: list[tuple[Hashable, Hashable | None]] = []

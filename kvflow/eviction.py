@@ -32,6 +32,7 @@ class EvictionMixin:
         short = n - pool.num_free
         if short <= 0:
             return pool.allocate(n)
+        self._short_tiers |= 1 << tier
         # Victims' blocks go straight to the caller, not through the free list.
         ids = self._evict(tier, short, ops)
         ids += pool.allocate(pool.num_free)
@@ -53,6 +54,8 @@ class EvictionMixin:
             # Fast path (no copy-outs): droppable victims from the front of the
             # policy's order, in bulk; the general loop below handles the rest.
             freed_ids = index.drop_front(tier, count)
+            if freed_ids:
+                self.version += 1
             if len(freed_ids) >= count:
                 self.stats.evictions[tier] += len(freed_ids)
                 return freed_ids
@@ -64,6 +67,8 @@ class EvictionMixin:
         if len(freed_ids) < count and lower is not None:
             self._evict_pinned(tier, count, copy_out, unfunded > 0, freed_ids, copies, src_ids,
                                ops)
+        if freed_ids or copies:
+            self.version += 1
         self.stats.evictions[tier] += len(freed_ids)
         self.stats.copy_outs[tier] += len(copies)
         if copies:
@@ -127,6 +132,8 @@ class EvictionMixin:
             freed_ids.remove(src)
             index.set_copy(node, tier, src, READY)
         unfunded = len(copies) - len(lids)
+        if unfunded:
+            self.version += 1  # back on the tier, at the end of its order
         del copies[len(lids):], src_ids[len(lids):]
         for node, lid in zip(copies, lids, strict=True):
             node.loc[lower] = lid

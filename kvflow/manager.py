@@ -29,7 +29,7 @@ from kvflow.completion import CompletionMixin
 from kvflow.cost import BlockCosts
 from kvflow.errors import ConfigError
 from kvflow.eviction import EvictionMixin
-from kvflow.planning import PlanningMixin
+from kvflow.planning import FailedPlan, PlanningMixin
 
 # The manager's data types live in kvflow.plans; importers get them from here too.
 from kvflow.plans import (  # noqa: F401 (re-exported)
@@ -95,8 +95,21 @@ class Capacities:
         return (self.device, self.host, self.storage)[tier]
 
 
+#: Eviction policies under which a failed plan that changed nothing is a fixed point:
+#: its reference round trip puts the matched blocks back at the tail of the order
+#: where the failure before it left them, and an eviction scan that takes nothing
+#: rotates each order exactly once round (``kvflow.planning``, "Failed retries").
+#: S3-FIFO (a reference raises a frequency), ARC, the ranked orders and Belady's
+#: (the trace's clock) are left out: their retries always run.
+RETRY_SKIP_POLICIES = frozenset({"lru", "lfu"})
+
+
 class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
     """Tiers, their pools, the prefix index and the policies, behind four verbs."""
+
+    #: Skip a plan that would fail exactly as the last one did (see ``plan``);
+    #: tests turn it off to compare.
+    skip_failed_retries: bool = True
 
     def __init__(
         self,
@@ -136,6 +149,19 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         self.inflight: dict[int, TransferOp] = {}
         # Copy-outs started by a plan that then failed; the runtime runs them.
         self.detached_ops: list[TransferOp] = []
+        # Bumped by every change of the pools, the index or the orders other than a
+        # failed plan's reference round trip and its scans that took nothing.
+        self.version = 0
+        # The last plan call, where it failed having changed nothing (and the policy
+        # makes that a fixed point): an identical call at the same version is skipped.
+        self._failed_retry: FailedPlan | None = None
+        self._plain_orders = eviction.lower() in RETRY_SKIP_POLICIES
+        self._retry_skip = self._plain_orders and future is None
+        self._short_tiers = 0  # bit t: the plan under way evicted (or tried to) on tier t
+        # Tiers whose eviction asks the storage tier for room (itself, the one above it).
+        self._storage_readers = sum(1 << t for t in (0, 1, 2)
+                                    if t == STORAGE or self._lower[t] == STORAGE)
+        self.skipped_plans = 0  # failed retries skipped (not a stat: reports stay as they were)
 
     def has_tier(self, tier: int) -> bool:
         return self.pools[tier].capacity > 0
@@ -150,6 +176,8 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         """The request's forward pass has written its new blocks: make them matchable."""
         if plan.committed:
             return
+        if self._failed_retry is not None:
+            self._commit_check(plan.computing)
         # Tail-first, as requests release blocks: a policy that orders blocks from
         # the moment they are ready (S3-FIFO's queues) then meets a request's leaf
         # before its parents. Root-first, every eviction scanned past the inner
@@ -166,10 +194,27 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         position = {id(n): i for i, n in enumerate(plan.nodes)}
         done = [n for n in plan.computing if position.get(id(n), -1) >= first]
         if done:
+            if self._failed_retry is not None:
+                self._commit_check(done)
             self.index.mark_computed(done[::-1])  # tail-first, as commit
             ids = set(map(id, done))
             plan.computing[:] = [n for n in plan.computing if id(n) not in ids]
         return len(done)
+
+    def _commit_check(self, nodes: list[Node]) -> None:
+        """Forget the failed plan ``plan`` would skip if committing ``nodes`` could change it.
+
+        A commit only turns referenced device copies from COMPUTING to READY (the
+        orders that may skip it ignore referenced blocks). That matters to a failed
+        plan in two ways: the block its match stopped at becomes matchable, or a
+        copy on another tier of a recomputed block becomes droppable.
+        """
+        blocker = self._failed_retry.blocker  # type: ignore[union-attr]
+        for n in nodes:
+            st = n.state
+            if n is blocker or st[1] or st[2]:
+                self._failed_retry = None
+                return
 
     # ----------------------------------------------------------------- finish
     def finish(self, plan: Plan) -> list[TransferOp]:
@@ -178,6 +223,7 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         An uncommitted plan (an aborted request) leaves nothing of its own
         behind: its computing nodes and private blocks are freed.
         """
+        self.version += 1
         if plan.finished:
             raise ValueError(f"plan of request {plan.request_id!r} finished twice")
         plan.finished = True
@@ -269,6 +315,7 @@ class CacheManager(PlanningMixin, EvictionMixin, CompletionMixin):
         With no request running and no op in flight this empties every pool;
         returns how many copies went.
         """
+        self.version += 1
         index = self.index
         dropped = 0
         for node in sorted(index, key=lambda n: -n.depth):

@@ -14,6 +14,43 @@ from kvflow.plans import DEVICE, HOST, REMOTE_KINDS, STORAGE, OpKind, Plan, Rese
 from kvflow.radix import FILLING, READY, Node, Tier
 
 
+class FailedPlan:
+    """A plan that failed without changing anything (``PlanningMixin.plan``).
+
+    Failed retries: a request that does not fit waits at the head of the queue
+    and is planned again at every engine step. A failed plan is not a no-op in
+    general: it evicts what it can, starts copy-outs, and puts copies it could not
+    fund back on their tier. But when it did none of that (the manager's
+    ``version`` did not move), all it did was take a reference on its matched
+    blocks and give it back, and scan orders that yielded nothing. Under LRU and
+    LFU that leaves each order as it was except for the matched blocks, now at its
+    tail (of their bucket) in the order they were given back; the scans went once
+    round each order they touched, which leaves it as it was. The same plan run
+    again on that state gives the same blocks back in the same order to the same
+    place: nothing moves, and it fails the same way. So while nothing it reads has
+    changed (``version``, bumped by every other change that could matter;
+    ``CacheManager._commit_check`` and ``complete`` spell out the changes that
+    cannot; and the index's ``mutations``, for changes others make through it),
+    the retry is skipped: counted as rejected, with the same error.
+    """
+
+    __slots__ = ("args", "available", "blocker", "keys", "mutations", "needed",
+                 "reads_storage", "request_id", "version")
+
+    def __init__(self, version: int, mutations: int, request_id: Hashable,
+                 keys: tuple[Hashable, ...], args: tuple[int, bool, bool], needed: int,
+                 available: int, blocker: Node | None, reads_storage: bool) -> None:
+        self.version = version
+        self.mutations = mutations  # the index's count of changes made through it
+        self.request_id = request_id
+        self.keys = keys
+        self.args = args  # extra_blocks, use_storage, device_only
+        self.needed = needed
+        self.available = available
+        self.blocker = blocker  # the node the match stopped at, if indexed (COMPUTING)
+        self.reads_storage = reads_storage  # whether it asked the storage tier for room
+
+
 class PlanningMixin:
     """``prefetch``, ``release``, ``plan`` and ``remote_op`` of ``CacheManager``."""
 
@@ -34,6 +71,8 @@ class PlanningMixin:
             return Reservation([], [])
         matched = self.index.match(keys)
         held = [n for n in matched if n.best_tier() != DEVICE]
+        if held:
+            self.version += 1
         for n in held:
             self.index.ref(n)
         todo = [n for n in held if n.best_tier() == STORAGE]
@@ -51,6 +90,8 @@ class PlanningMixin:
 
     def release(self, reservation: Reservation) -> None:
         """Drop a prefetch reservation (tail-first, as requests release blocks)."""
+        if reservation.nodes:
+            self.version += 1
         for n in reversed(reservation.nodes):
             self._release(n)
         reservation.nodes = []
@@ -72,12 +113,30 @@ class PlanningMixin:
         request's own blocks are given back; evictions made stay made, their
         copy-outs in ``detached_ops``. A block that a copy in flight is filling
         becomes evictable only once it lands, so the same plan may fit then.
+        A call identical to the last one, which failed having changed nothing, is
+        not run again while nothing it reads has changed (``FailedPlan``): it
+        raises the same error at once.
         """
         keys = tuple(keys)
+        last = self._failed_retry
+        if last is not None:
+            if (last.version == self.version and last.mutations == self.index.mutations
+                    and last.request_id == request_id
+                    and last.args == (extra_blocks, use_storage, device_only)
+                    and last.keys == keys):
+                # This plan failed last, changing nothing, and nothing it reads has
+                # changed since: it would fail again the same way, changing nothing.
+                self.stats.rejected_plans += 1
+                self.skipped_plans += 1
+                raise NotEnoughBlocks(last.needed, last.available)
+            self._failed_retry = None
         if self.future is not None:
             self.future.advance(request_id)
+        version = self.version
+        self._short_tiers = 0
         index = self.index
         matched = index.match(keys)
+        stop = len(matched)
         if not use_storage:  # only what has landed: no storage read, none still in flight
             for i, n in enumerate(matched):
                 t = n.best_tier()
@@ -115,10 +174,20 @@ class PlanningMixin:
             # ours; copy-outs already started stay valid and are handed out apart.
             self.pools[DEVICE].free(dev_ids)
             self.pools[HOST].free(host_ids)
-            for n in matched:
-                index.unref(n)
+            if self._plain_orders:  # one order per tier: the core's bulk release is the loop
+                index.release(matched)
+            else:
+                for n in matched:
+                    index.unref(n)
             self.detached_ops.extend(ops)
             self.stats.rejected_plans += 1
+            if self.version == version and self._retry_skip and self.skip_failed_retries:
+                self._failed_retry = FailedPlan(
+                    version, index.mutations, request_id, keys,
+                    (extra_blocks, use_storage, device_only), needed, len(dev_ids),
+                    # the block the match stopped at: absent, or being computed
+                    index.nodes.get(keys[stop]) if stop < len(keys) else None,
+                    bool(self._short_tiers & self._storage_readers))
             raise NotEnoughBlocks(needed, len(dev_ids))
         # Three swap-in groups, one op each, so that a prefetch cut short only
         # fails the blocks that depended on it: host hits, storage hits staged
@@ -156,6 +225,7 @@ class PlanningMixin:
         plan.nodes += created
         plan.computing += created
 
+        self.version += 1
         st = self.stats
         st.plans += 1
         st.prompt_blocks += len(keys)
@@ -188,6 +258,7 @@ class PlanningMixin:
         until the request commits, and a failed receive leaves it the request's to
         compute, exactly as if no transfer had been tried.
         """
+        self.version += 1
         if kind not in REMOTE_KINDS:
             raise ValueError(f"remote_op takes SEND or RECEIVE, not {kind}")
         if len(block_ids) != len(positions):

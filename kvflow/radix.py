@@ -147,6 +147,10 @@ class PrefixIndex:
         self.tiers = tuple(t for t in TIERS if capacities[t] > 0)
         # READY copies with ref == 0, per tier: what eviction could free at most.
         self.unreferenced = [0, 0, 0]
+        #: Nodes inserted and copies set or dropped through the calls below (not the
+        #: core's bulk ones): what a manager's failed-retry skip must see of changes
+        #: made by others (a pool view's ``shed`` and ``recall``).
+        self.mutations = 0
         make_core: Any = NATIVE_CORE.Core if native else index_core.Core  # type: ignore[union-attr]
         c = make_core(self.nodes, self.policies, self.unreferenced, self.tiers)
         self.match: Callable[[Sequence[Hashable]], list[Node]] = c.match
@@ -198,6 +202,7 @@ class PrefixIndex:
         """A new node with no copies yet (the caller adds one at once)."""
         if key in self.nodes:
             raise KeyError(f"block {key!r} already indexed")
+        self.mutations += 1
         node = self.node_type(key, parent)
         if parent is not None:
             parent.children += 1
@@ -234,6 +239,7 @@ class PrefixIndex:
     def set_copy(self, node: Node, tier: int, block_id: int, state: int) -> None:
         """Record that ``tier``'s block ``block_id`` holds (or will hold) the node."""
         assert node.state[tier] == ABSENT, (node, tier)
+        self.mutations += 1
         node.loc[tier] = block_id
         node.state[tier] = state
         if state == READY:
@@ -255,6 +261,7 @@ class PrefixIndex:
 
         Removes the node when it is left with no copy at all.
         """
+        self.mutations += 1
         st = node.state
         state = st[tier]
         if state == READY:

@@ -129,18 +129,30 @@ def run_replay(cfg: ReplayConfig,
     return report
 
 
+#: The cycle collector's youngest-generation threshold during a replay (the default
+#: is 700): see ``_few_full_collections``.
+YOUNG_COLLECTION_THRESHOLD = 20_000
+
+
 @contextlib.contextmanager
 def _few_full_collections() -> Iterator[None]:
-    """Run with the cycle collector's full (oldest-generation) passes 100x rarer.
+    """Run with the cycle collector's full (oldest-generation) passes 100x rarer,
+    and its young ones ~30x rarer.
 
     A replay keeps a large, long-lived heap (the prefix index, the queue of an
     overloaded trace) and frees what a request used by reference counting (its
     objects form no cycles), so a full pass finds nearly nothing and costs a walk
     over the whole heap: at the default threshold they took 5-7% of a replay.
+    The young passes find nearly nothing too (the 12k conversation trace: ~300
+    objects in ~230 passes), but each walks what survived since the last, so their
+    cost is the heap's growth, walked twice (generations 0 and 1), plus ~0.3 ms a
+    pass: ~3.5% of a full replay at the default, ~2% at 20,000
+    (``benchmarks/results/replay_speed.md``, "Failed retries skipped").
     The previous thresholds come back afterwards.
     """
     before = gc.get_threshold()
-    gc.set_threshold(before[0], before[1], max(before[2], 1000))
+    gc.set_threshold(max(before[0], YOUNG_COLLECTION_THRESHOLD), before[1],
+                     max(before[2], 1000))
     try:
         yield
     finally:
