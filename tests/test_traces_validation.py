@@ -74,6 +74,10 @@ MOONCAKE_BAD = [
     (moon(hash_ids=[1, "2"]), "hash_ids", 'element 1 is "2"'),
     (moon(hash_ids=[1, -2]), "hash_ids", "element 1 is -2"),
     (moon(hash_ids=[1, 2.0]), "hash_ids", "element 1 is 2.0"),
+    # an id names a block with its whole prefix: one request cannot hold it twice (the
+    # cache's plan took such a request's two positions for one block and failed an
+    # assertion deep in admission)
+    (moon(hash_ids=[7, 7]), "hash_ids", "element 1 repeats element 0 (id 7)"),
     (moon(hash_ids=[1]), "hash_ids", "1 ids for input_length 600; expected ceil(600/512) = 2"),
     (moon(hash_ids=[1, 2, 3]), "hash_ids", "3 ids"),
     (moon(input_length=0), "hash_ids", "expected ceil(0/512) = 0"),

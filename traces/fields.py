@@ -155,7 +155,19 @@ def token_ids(obj: dict[str, Any]) -> tuple[int, ...]:
 
 
 def hash_ids(obj: dict[str, Any]) -> tuple[int, ...]:
-    return id_list(obj, "hash_ids", HASH_ID_LIMIT)
+    """A request's block ids. Each names a block together with its whole prefix (as
+    Mooncake's traces hash them), so one request cannot hold an id twice: the cache
+    would take both positions for one block."""
+    ids = id_list(obj, "hash_ids", HASH_ID_LIMIT)
+    if len({*ids}) != len(ids):
+        first: dict[int, int] = {}
+        for i, h in enumerate(ids):
+            if h in first:
+                raise Bad("hash_ids", f"element {i} repeats element {first[h]} (id {h}): a "
+                                      "block id names the block with its whole prefix, so a "
+                                      "request holds each id once")
+            first[h] = i
+    return ids
 
 
 def check_blocks(ids: tuple[int, ...], input_len: int, block_tokens: int) -> None:
