@@ -356,7 +356,8 @@ def request_lists(draw: st.DrawFn) -> tuple[int, list[Request]]:
         n_in = draw(st.integers(0, 40))
         kind = draw(st.sampled_from(["hashes", "tokens", "both"]))
         hashes = tuple(
-            draw(st.lists(ids, min_size=ceil_div(n_in, bt), max_size=ceil_div(n_in, bt)))
+            draw(st.lists(ids, min_size=ceil_div(n_in, bt), max_size=ceil_div(n_in, bt),
+                          unique=True))  # (a request holds each id once)
         )
         tokens = tuple(draw(st.lists(st.integers(0, 2**31), min_size=n_in, max_size=n_in)))
         reqs.append(
