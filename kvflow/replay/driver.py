@@ -355,7 +355,7 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             inspect(p.runtime.manager, p.runtime)
     if start != 0.0:  # the report counts from the first arrival at 0
         for p in parts:
-            p.sampler.t = [round(t - start, 6) for t in p.sampler.t]
+            p.sampler.t = array("d", [round(t - start, 6) for t in p.sampler.t])
     body = full_report(setup, parts, end - start, (cfg.slo_ttft_s, cfg.slo_tpot_s))
     if cluster is not None:
         body["cluster"] = cluster.report(end - start)
