@@ -207,7 +207,7 @@ def _memory_child(trace: str, pool_gb: float) -> dict[str, Any]:
                    inspect=inspect)
     return {"requests": r["requests"], "cpu_s": time.process_time() - t,
             "wall_s": time.perf_counter() - w, "rss_before_mb": before,
-            "rss_replay_end_mb": at_end[0],
+            "rss_replay_end_mb": at_end[0], "pool_blocks": r["pool"]["blocks"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
