@@ -383,8 +383,8 @@ def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: Tra
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
                     EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running),
-                    # PD's per-instance rows read each engine's finished requests
-                    keep_done=getattr(cfg, "pd", None) is not None)
+                    # (PD's per-instance rows fold them as they leave: kvflow.cluster.pd)
+                    keep_done=False)
     if progress is not None:
         total = len(setup.requests)
         count = 0
