@@ -9,8 +9,9 @@ Four parts, each a flag (all by default):
 ``--speed``   CPU time of the 16-instance replay (prefix router, global pool) against
               the single-instance replay of the same trace, interleaved in one
               process, best of ``--repeat``: the cluster layer's cost;
-``--memory``  peak RSS and CPU per request of that 16-instance replay at 12k and ~96k
-              requests (the trace and eight copies of it in a row), each in its own process;
+``--memory``  peak RSS (and RSS when the replay ends, before its report) and CPU per
+              request of that 16-instance replay at 12k, 24k, 48k and ~96k requests
+              (copies of the trace in a row, ``--sizes``), each in its own process;
 ``--mooncake`` the settings of the Mooncake FAST'25 paper's Fig. 5 (scheduling policies,
               16 nodes of 8 GPUs, conversation trace) and Fig. 10 (10 prefill nodes,
               1-token outputs, 3M tokens of cache per node, local vs global pool),
@@ -186,32 +187,55 @@ def mooncake(workers: int, limit: int | None = None, pd: str | None = None
                      if fig10}}
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def _memory_child(trace: str, pool_gb: float) -> dict[str, Any]:
-    """One 16-instance replay (prefix router, global pool) in this (fresh) process."""
-    r = _run(ReplayConfig(trace=trace, instances=16, router="prefix", pool_gb=pool_gb))
-    return {"requests": r["requests"], "cpu_s": r["cpu_s"], "wall_s": r["run_wall_s"],
+    """One 16-instance replay (prefix router, global pool) in this (fresh) process: peak
+    RSS, and RSS when the replay ends (the ``inspect`` hook, before the report is built)."""
+    at_end: list[float] = []
+
+    def inspect(_m: Any, _rt: Any) -> None:
+        if not at_end:
+            at_end.append(_rss_mb())
+
+    before = _rss_mb()
+    t, w = time.process_time(), time.perf_counter()
+    r = run_replay(ReplayConfig(trace=trace, instances=16, router="prefix", pool_gb=pool_gb),
+                   inspect=inspect)
+    return {"requests": r["requests"], "cpu_s": time.process_time() - t,
+            "wall_s": time.perf_counter() - w, "rss_before_mb": before,
+            "rss_replay_end_mb": at_end[0], "pool_blocks": r["pool"]["blocks"],
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def memory(pool_gb: float) -> list[dict[str, Any]]:
-    """Peak RSS and CPU per request of the cluster replay at 12k and ~96k requests (the
-    conversation trace, and 8 copies of it one after another: ``traces.reshape.repeat``,
-    once with each copy's block ids its own (new users: the pool's index grows until the
-    pool is full) and once sharing them (the same prompts again)), each in its own
-    process so one peak cannot hide another's."""
+def memory(pool_gb: float, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict[str, Any]]:
+    """Peak RSS and CPU per request of the cluster replay at 12k x each of ``sizes`` requests
+    (the conversation trace, and 2, 4, 8 copies of it one after another:
+    ``traces.reshape.repeat``, with each copy's block ids its own (new users: the pool's
+    index grows until the pool is full)), and at the largest size once more sharing them
+    (the same prompts again); each in its own process so one peak cannot hide another's.
+    The growth per request between the two largest sizes is what is left to flatten."""
     from traces import open_trace
     from traces.reshape import repeat
     from traces.writer import write_generic
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         tr = open_trace(CONV)
-        runs: list[tuple[str, Path]] = [("12k", CONV)]
-        for shared in (False, True):
-            x8 = Path(tmp) / f"conversation_x8_{'shared' if shared else 'own'}_ids.jsonl"
-            write_generic(repeat(tr, 8, share_ids=shared), x8, block_tokens=tr.block_tokens,
-                          force=True)
-            runs.append((f"96k, {'shared' if shared else 'own'} block ids", x8))
+        runs: list[tuple[str, Path]] = []
+        for k in sizes:
+            for shared in (False, True) if k == max(sizes) and k > 1 else (False,):
+                if k == 1:
+                    runs.append(("x1", CONV))
+                    continue
+                name = f"x{k}, {'shared' if shared else 'own'} block ids"
+                path = Path(tmp) / f"conversation_x{k}_{'shared' if shared else 'own'}.jsonl"
+                write_generic(repeat(tr, k, share_ids=shared), path,
+                              block_tokens=tr.block_tokens, force=True)
+                runs.append((name, path))
         for name, trace in runs:
             with ProcessPoolExecutor(1) as ex:
                 row = ex.submit(_memory_child, str(trace), pool_gb).result()
@@ -219,6 +243,15 @@ def memory(pool_gb: float) -> list[dict[str, Any]]:
             row["cpu_ms_per_request"] = 1e3 * row["cpu_s"] / row["requests"]
             rows.append(row)
             print(row, flush=True)
+    own = [r for r in rows if "shared" not in r["size"]]
+    if len(own) >= 2:
+        a, b = own[-2], own[-1]
+        dn = b["requests"] - a["requests"]
+        mib = 2**20 / dn
+        peak = (b["peak_rss_mb"] - a["peak_rss_mb"]) * mib
+        end = (b["rss_replay_end_mb"] - a["rss_replay_end_mb"]) * mib
+        print(f"growth {a['size']} -> {b['size']}: peak {peak:.0f} B a request, "
+              f"at the replay's end {end:.0f} B a request", flush=True)
     return rows
 
 
@@ -235,7 +268,10 @@ def main() -> int:
     ap.add_argument("--speed", action="store_true")
     ap.add_argument("--mooncake", action="store_true")
     ap.add_argument("--memory", action="store_true",
-                    help="peak RSS and CPU per request at 12k and ~96k requests")
+                    help="peak RSS and CPU per request at 12k to ~96k requests")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="--memory: copies of the conversation trace to replay, each size "
+                         "in its own process")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--pool-gb", type=float, default=16 * 2048.0,
@@ -265,7 +301,7 @@ def main() -> int:
                   f"{r['hit_total']:.1%} | {r['slo_attainment']:.1%} | {r['overloaded']} | "
                   f"{r['cpu_s']:.1f} / {r['wall_s']:.1f} s |", flush=True)
     if a.memory or everything:
-        out["memory"] = memory(a.pool_gb)
+        out["memory"] = memory(a.pool_gb, tuple(a.sizes))
     if a.mooncake or everything:
         out["mooncake"] = mooncake(a.workers, a.limit, a.mooncake_pd)
         print(json.dumps(out["mooncake"], indent=1), flush=True)

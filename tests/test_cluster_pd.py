@@ -223,3 +223,38 @@ def test_cli_prints_pd_and_refuses_bad_values(tmp_path: Path) -> None:
     assert code == 2 and err.startswith("error: pd must be 'P:D'")
     code, _, err = cli.run(trace, "--pd", "1:1", "--instances", "3")
     assert code == 2 and "runs 2 instances" in err
+
+
+def test_a_pd_replay_lets_requests_go_as_they_leave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under PD, neither the engines nor the disaggregation keep a request once it has
+    left both sides: its figures are folded into the report's arrays (they used to keep
+    every request's state on both sides to the end, ~10 KB a request)."""
+    import gc
+    import weakref
+
+    from kvflow.engine import RequestState
+
+    refs: list[weakref.ref[RequestState]] = []
+    left, release = Engine._left, Engine.release
+
+    def spy_left(self: Engine, st: RequestState) -> None:
+        refs.append(weakref.ref(st))
+        left(self, st)
+
+    def spy_release(self: Engine, st: RequestState) -> None:
+        refs.append(weakref.ref(st))
+        release(self, st)
+
+    monkeypatch.setattr(Engine, "_left", spy_left)
+    monkeypatch.setattr(Engine, "release", spy_release)
+    alive: list[int] = []
+
+    def inspect(_m: object, _rt: object) -> None:
+        if not alive:  # the replay is over, its objects still there
+            gc.collect()
+            alive.append(sum(r() is not None for r in refs))
+
+    cfg = ReplayConfig(instances=4, pd="2:2", router="prefix", limit=120, pool_blocks=3000)
+    report = run_replay(cfg, inspect=inspect)
+    assert report["pd"]["requests"] > 100 and len(refs) >= 2 * report["pd"]["requests"]
+    assert alive == [0]

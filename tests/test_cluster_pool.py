@@ -75,6 +75,45 @@ def test_directory_parents_always_newer_than_children(steps, capacity):
                 assert order[parent] > order[k], (k, parent, list(d.entries))
 
 
+def test_directory_a_write_of_siblings_leaves_their_parent_newest():
+    """One write publishing two children of a block refreshes the parent after both (it
+    used to be moved once, on the first child's walk, and end up older than the other)."""
+    d = PoolDirectory(3)
+    d.publish([("a", None)])
+    d.publish([("b", "a"), ("c", "a")])
+    assert list(d.entries)[-1] == "a", list(d.entries)
+    # the oldest block is a leaf: a fourth block evicts a child, never 'a'
+    assert d.publish([("x", None)]) in (["b"], ["c"])
+    assert "a" in d
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.lists(prompts, min_size=1, max_size=4),
+                                st.integers(0, 6)), max_size=25),
+       capacity=st.integers(1, 12))
+def test_directory_parents_newer_than_children_when_a_write_holds_several_chains(
+        steps, capacity):
+    """As above, with one write publishing blocks of several prompts at once (siblings,
+    cousins; parents before children, as a write's blocks come): every block's parent in
+    the pool is more recent than it, and no eviction takes a block whose child stays."""
+    d = PoolDirectory(capacity)
+    for write, many, cut in steps:
+        if write:
+            keys = sorted({k for keys in many for k in keys[:cut + 1]}, key=len)
+            evicted = d.publish([(k, k[:-1] or None) for k in keys])
+            assert all(e not in d for e in evicted)
+            assert not any(k[:-1] in evicted for k in d.entries), (evicted, list(d.entries))
+        else:
+            keys = many[0]
+            if keys[min(cut, len(keys) - 1)] in d:
+                d.touch(keys[min(cut, len(keys) - 1)])
+        assert len(d) <= capacity
+        order = {k: i for i, k in enumerate(d.entries)}
+        for k, parent in d.entries.items():
+            if parent in order:
+                assert order[parent] > order[k], (k, parent, list(d.entries))
+
+
 # -- views of it ---------------------------------------------------------------------------------
 def _manager(storage=8):
     return PoolViewManager(Capacities(8, 8, storage))

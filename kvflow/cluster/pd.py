@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +100,49 @@ class Transfer:
     start_s: float | None = None        # its first layer started on the wire
     landed_s: float | None = None       # its last layer landed
     done: bool = False                  # landed and released
+    left: bool = False                  # its decode side let it go (finished or refused)
+    seq: int = 0                        # its place among the transfers (report order)
+
+
+class _Folded:
+    """What the report reads of the requests that left an instance, folded in as they
+    leave (in that order), so that neither the engine nor this module keeps them: a
+    prefill instance's hits, blocks, TTFT and admission waits; a decode instance's TPOT
+    and waits for the KV. Per-request floats in arrays of C doubles."""
+
+    __slots__ = ("blocks", "decode_wait", "hits", "queue", "requests", "tpot", "ttft")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.hits = [0, 0, 0]
+        self.blocks = 0
+        self.ttft, self.queue = array("d"), array("d")
+        self.tpot, self.decode_wait = array("d"), array("d")
+
+    def prefilled(self, st: RequestState) -> None:
+        if st.first_token_s is None:
+            return
+        self.requests += 1
+        for t in (0, 1, 2):
+            self.hits[t] += st.hits[t]
+        self.blocks += len(st.req.keys)
+        self.ttft.append(st.first_token_s - st.req.arrival_s)
+        self.queue.append(st.admit_s - st.req.arrival_s)
+
+    def decoded(self, st: RequestState) -> None:
+        if st.finish_s is None:
+            return
+        if st.generated > 1:
+            self.tpot.append((st.finish_s - st.first_token_s)  # type: ignore[operator]
+                             / (st.generated - 1))
+        if st.decode_from_s is not None:
+            self.decode_wait.append(st.decode_from_s - st.first_token_s)  # type: ignore[operator]
+
+
+#: A transfer's figures once it is over (``Disaggregation._fold``): sent (1/0), blocks,
+#: reused blocks, transfer s, after-prefill s, decode wait s (NaN: not decoded), alloc wait s.
+_FIELDS = 7
+_NAN = float("nan")
 
 
 @dataclass
@@ -143,19 +187,26 @@ class Disaggregation:
         self.tx = [Nic() for _ in self.prefill]
         self.rx = [Nic() for _ in self.decode]
         self.decode_blocks = [0] * len(self.decode)
-        self.transfers: list[Transfer] = []
+        #: Transfers under way, by their prefill-side state; one that is over (landed and
+        #: released, its decode side gone) is folded into ``_over`` at its ``seq`` and
+        #: let go, with both its requests' states.
         self._by_origin: dict[RequestState, Transfer] = {}
+        self._count = 0
+        self._over = array("d")
+        #: Per instance (prefill first), what its requests left behind (``_Folded``).
+        self._folded = [_Folded() for _ in engines]
         self._finished = finished
         self._closing = False
         self._loop = asyncio.get_running_loop()
         for i, e in enumerate(self.prefill):
             e.on_last_chunk = lambda st, i=i: self._prefill_ending(i, st)
             e.handover = lambda st, i=i: self._handed_over(i, st)
-            e.on_finish = self._chain(e.on_finish, lambda st: self._maybe_close())
+            e.on_finish = self._chain(self._folded[i].prefilled,
+                                      self._chain(e.on_finish, lambda st: self._maybe_close()))
         for j, e in enumerate(self.decode):
             e.on_admit = self._chain(e.on_admit, lambda st, j=j: self._decode_admitted(j, st))
-            e.on_finish = self._chain(lambda st, j=j: self._decode_finished(j, st),
-                                      e.on_finish)
+            e.on_finish = self._chain(self._folded[prefill + j].decoded, self._chain(
+                lambda st, j=j: self._decode_finished(j, st), e.on_finish))
 
     @staticmethod
     def _chain(first: Callable[[RequestState], None] | None,
@@ -177,9 +228,10 @@ class Disaggregation:
         if st in self._by_origin or st.req.output_len <= 1:
             return  # its step failed and runs again; or nothing to decode elsewhere
         j = min(range(len(self.decode)), key=lambda k: (self.decode_blocks[k], k))
-        rec = Transfer(i, j, st, asked_s=self._loop.time())
+        rec = Transfer(i, j, st, asked_s=self._loop.time(), seq=self._count)
+        self._count += 1
+        self._over.extend((0.0, 0.0, 0.0, _NAN, _NAN, _NAN, _NAN))
         self._by_origin[st] = rec
-        self.transfers.append(rec)
         self.decode_blocks[j] += self._blocks(st)
         rec.state = self.decode[j].receive(st.req, st)  # on_admit may have run inside
 
@@ -234,15 +286,27 @@ class Disaggregation:
     def _release(self, rec: Transfer) -> None:
         rec.done = True
         self.prefill[rec.prefill].release(rec.origin)
+        self._folded[rec.prefill].prefilled(rec.origin)  # (release calls no on_finish)
         self._finished(rec.prefill, rec.origin)
+        if rec.left:
+            self._fold(rec)
         self._maybe_close()
 
     def _decode_finished(self, j: int, st: RequestState) -> None:
         self.decode_blocks[j] -= self._blocks(st)
         rec = self._by_origin.get(st.origin)  # type: ignore[arg-type]
-        if st.error is not None and rec is not None and not rec.done \
-                and rec.first_token_s is not None:
-            self._release(rec)  # refused after the prefill handed it over
+        if rec is None:
+            return
+        rec.left = True
+        if st.error is not None and not rec.done and rec.first_token_s is not None:
+            self._release(rec)  # refused after the prefill handed it over (folds it)
+        elif rec.done:
+            self._fold(rec)
+
+    def _fold(self, rec: Transfer) -> None:
+        """``rec`` is over (released, its decode side gone): its figures to ``_over``."""
+        del self._by_origin[rec.origin]
+        self._over[rec.seq * _FIELDS:(rec.seq + 1) * _FIELDS] = array("d", _figures(rec))
 
     # -- the end -------------------------------------------------------------------------
     def close(self) -> None:
@@ -262,24 +326,30 @@ class Disaggregation:
     def report(self, sim_time: float, summary: Callable[[list[float]], Any]) -> dict[str, Any]:
         """The ``pd`` section (``summary``: the report's percentile summary)."""
         span = sim_time if sim_time > 0 else 1.0
-        sent = [r for r in self.transfers if r.landed_s is not None]
-        moved = [r for r in sent if r.blocks]
-        decoded = [r for r in sent if r.state is not None and r.state.decode_from_s is not None]
+        over = self._over
+        for rec in self._by_origin.values():  # still under way: their figures as they stand
+            over[rec.seq * _FIELDS:(rec.seq + 1) * _FIELDS] = array("d", _figures(rec))
+        # In the transfers' order: sent ones, those that moved blocks, those decoded.
+        sent, blocks, reused = over[0::_FIELDS], over[1::_FIELDS], over[2::_FIELDS]
+        transfer_s, after_s = over[3::_FIELDS], over[4::_FIELDS]
+        decode_s, alloc_s = over[5::_FIELDS], over[6::_FIELDS]
+        n = len(sent)
+        moved = [i for i in range(n) if sent[i] and blocks[i]]
+        moved_blocks = sum(int(blocks[i]) for i in moved)
         out: dict[str, Any] = {
             "prefill_instances": len(self.prefill), "decode_instances": len(self.decode),
             "layerwise": self.layerwise, "gb_per_s": self.gb_per_s,
             "latency_s": self.latency_s,
-            "requests": len(sent), "transfers": len(moved),
-            "bytes": sum(r.blocks for r in moved) * self.layer_bytes * self.num_layers,
-            "blocks": sum(r.blocks for r in moved),
-            "reused_blocks": sum(r.reused for r in sent),
-            "transfer_s": summary([r.landed_s - r.start_s for r in moved]),  # type: ignore[operator]
-            "after_prefill_s": summary([max(0.0, r.landed_s - r.first_token_s)  # type: ignore[operator]
-                                        for r in moved]),
-            "decode_wait_s": summary([r.state.decode_from_s - r.first_token_s  # type: ignore[union-attr,operator]
-                                      for r in decoded]),
-            "decode_alloc_wait_s": summary([r.alloc_s - r.asked_s  # type: ignore[operator]
-                                            for r in sent]),
+            "requests": sum(1 for x in sent if x), "transfers": len(moved),
+            "bytes": moved_blocks * self.layer_bytes * self.num_layers,
+            "blocks": moved_blocks,
+            "reused_blocks": sum(int(reused[i]) for i in range(n) if sent[i]),
+            "transfer_s": summary(array("d", [transfer_s[i] for i in moved])),
+            "after_prefill_s": summary(array("d", [after_s[i] for i in moved])),
+            "decode_wait_s": summary(array("d", [decode_s[i] for i in range(n)
+                                                 if sent[i] and decode_s[i] == decode_s[i]])),
+            "decode_alloc_wait_s": summary(array("d", [alloc_s[i] for i in range(n)
+                                                       if sent[i]])),
             "nic_utilization": {
                 "prefill_tx": sum(min(1.0, n.busy_s / span) for n in self.tx) / len(self.tx),
                 "decode_rx": sum(min(1.0, n.busy_s / span) for n in self.rx) / len(self.rx)},
@@ -294,23 +364,28 @@ class Disaggregation:
         for i, row in enumerate(rows):
             role = ROLES[0] if i < n else ROLES[1]
             row["role"] = role
+            f = self._folded[i]
             if role == "prefill":
-                done = [st for st in self.prefill[i].done if st.first_token_s is not None]
-                hits = [sum(st.hits[t] for st in done) for t in (0, 1, 2)]
-                row["requests"] = len(done)
-                row["hit_rate"] = hit_rates(hits, sum(len(st.req.keys) for st in done))
-                row["ttft_s"] = summary([st.first_token_s - st.req.arrival_s  # type: ignore[operator]
-                                         for st in done])
-                row["queue_s"] = summary([st.admit_s - st.req.arrival_s for st in done])
+                row["requests"] = f.requests
+                row["hit_rate"] = hit_rates(list(f.hits), f.blocks)
+                row["ttft_s"] = summary(f.ttft)
+                row["queue_s"] = summary(f.queue)
                 row["pd_bytes_sent"] = self.tx[i].bytes
             else:
-                done = [st for st in self.decode[i - n].done if st.finish_s is not None]
-                row["tpot_s"] = summary([(st.finish_s - st.first_token_s)  # type: ignore[operator]
-                                         / (st.generated - 1) for st in done
-                                         if st.generated > 1])
-                row["decode_wait_s"] = summary([st.decode_from_s - st.first_token_s  # type: ignore[operator]
-                                                for st in done
-                                                if st.decode_from_s is not None])
+                row["tpot_s"] = summary(f.tpot)
+                row["decode_wait_s"] = summary(f.decode_wait)
                 row["pd_bytes_received"] = self.rx[i - n].bytes
         return rows
 
+
+
+def _figures(rec: Transfer) -> tuple[float, ...]:
+    """``rec``'s row of ``Disaggregation._over`` (see ``_FIELDS``)."""
+    if rec.landed_s is None:
+        return (0.0, 0.0, 0.0, _NAN, _NAN, _NAN, _NAN)
+    first = rec.first_token_s
+    st = rec.state
+    decode = _NAN if st is None or st.decode_from_s is None else st.decode_from_s - first  # type: ignore[operator]
+    return (1.0, float(rec.blocks), float(rec.reused),
+            rec.landed_s - rec.start_s, max(0.0, rec.landed_s - first),  # type: ignore[operator]
+            decode, rec.alloc_s - rec.asked_s)  # type: ignore[operator]

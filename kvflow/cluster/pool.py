@@ -40,11 +40,11 @@ How the pieces meet, without reaching into an engine:
   line (``lru``) and a write policy blind to hit counts: for the others a node
   recalled without its hit count would rank differently, so they keep every node.
   Every report is the same with or without it (``tests/test_cluster_pool_shed.py``)
-  but in corners where the pool evicts, none seen to move a number but the first:
-  a pool that evicts a block before a child of it (one write publishing siblings,
-  under write_back, can leave the parent older) took the child's copy out of a view
-  with the parent's node, silently; a shed child stays known and is counted in
-  ``dropped_copies`` when it goes. A shed block's storage id goes back to the tier,
+  but in corners where the pool evicts, none seen to move a number. (One did, while
+  ``publish`` could leave a parent older than its child, one write publishing
+  siblings: the pool evicted the parent first, which took the child's copy out of
+  a view with the parent's node, silently, where a shed child stayed known and was
+  counted in ``dropped_copies`` when it went.) A shed block's storage id goes back to the tier,
   so ids are handed out in another order (the runtime orders a write after an
   in-flight read of the same id: a read of a block the pool evicted meanwhile can
   meet another write). And a view that filled the instance's storage tier used to
@@ -118,21 +118,39 @@ class PoolDirectory:
             else:
                 entries[key] = parent
                 self.published += 1
+        # Each written block and its ancestors become most recent, parents after
+        # children, as reading the blocks one by one from the last to the first would
+        # leave them: walking up from each block in write order, a walk stops at a block
+        # an earlier walk took (its ancestors are taken too), and the walks' blocks are
+        # moved last walk first, each from the bottom up. (Moving a shared parent once,
+        # on the first walk that met it, left a write of siblings with the parent older
+        # than all but one of them, and the pool free to evict it first.)
         seen: set[Hashable] = set()
-        for key, _ in reversed(items):
-            self._touch_up(key, seen)
+        walks: list[list[Hashable]] = []
+        for key, _ in items:
+            walk: list[Hashable] = []
+            k: Hashable | None = key
+            while k is not None and k not in seen and k in entries:
+                seen.add(k)
+                walk.append(k)
+                k = entries[k]
+            if walk:
+                walks.append(walk)
+        move = entries.move_to_end
+        for walk in reversed(walks):
+            for key in walk:
+                move(key)
         return self._evict()
 
     def touch(self, key: Hashable) -> None:
         """``key`` and its ancestors were read: most recent, parents after children."""
-        self._touch_up(key, set())
-
-    def _touch_up(self, key: Hashable | None, seen: set[Hashable]) -> None:
         entries = self.entries
-        while key is not None and key not in seen and key in entries:
-            seen.add(key)
-            entries.move_to_end(key)
-            key = entries[key]
+        seen: set[Hashable] = set()  # (keys whose parents loop: each moved once)
+        k: Hashable | None = key
+        while k is not None and k not in seen and k in entries:
+            seen.add(k)
+            entries.move_to_end(k)
+            k = entries[k]
 
     def _evict(self) -> list[Hashable]:
         entries = self.entries

@@ -7,7 +7,10 @@ what the report needs: one float per request and metric (TTFT, end-to-end,
 TPOT, admission wait, arrival) in arrays of C doubles, in finish order, so
 percentiles and means are exact and the same, bit for bit, as computed from
 the requests themselves; integer sums (hits, blocks, tokens); and per sampling
-interval, the blocks and hits of the requests that arrived in it.
+interval, the blocks and hits of the requests that arrived in it (in arrays of
+C integers, a chunk of intervals each: a dict of lists per interval cost ~280
+bytes an interval and instance). The report's queue-growth and SLO figures read
+these arrays as they are (no list of pairs or of floats per request).
 
 ``RequestsCsv`` streams one row per finished (or rejected) request to disk, if
 asked (``run_replay(..., requests_csv=PATH)``), instead of keeping them.
@@ -18,15 +21,21 @@ from __future__ import annotations
 import csv
 import math
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
+
+import numpy as np
 
 from kvflow.engine import RequestState
 
 __all__ = ["CSV_COLUMNS", "Finished", "RequestsCsv"]
 
 _NAN = float("nan")
+#: Sampling intervals per chunk of ``Finished``'s per-interval counts (a power of two).
+CHUNK = 8
+_SHIFT = CHUNK.bit_length() - 1
+_MASK = CHUNK - 1
 
 
 class Finished:
@@ -49,8 +58,8 @@ class Finished:
         self.blocks = 0
         self.out_tokens = 0
         self.in_tokens = 0
-        #: interval index -> [blocks, device hits, host hits, storage hits]
-        self.by_interval: dict[int, list[int]] = {}
+        #: chunk of ``CHUNK`` intervals -> for each, [blocks, device, host, storage hits]
+        self._chunks: dict[int, array[int]] = {}
 
     def __len__(self) -> int:
         return len(self.ttft)
@@ -84,20 +93,42 @@ class Finished:
         self.out_tokens += st.generated
         self.in_tokens += req.input_len
         b = math.floor(arrival / self.interval)
-        row = self.by_interval.get(b)
-        if row is None:
-            self.by_interval[b] = [n, h[0], h[1], h[2]]
-        else:
-            row[0] += n
-            row[1] += h[0]
-            row[2] += h[1]
-            row[3] += h[2]
+        c = b >> _SHIFT
+        chunk = self._chunks.get(c)
+        if chunk is None:
+            chunk = self._chunks[c] = array("q", bytes(8 * 4 * CHUNK))
+        i = (b & _MASK) << 2
+        chunk[i] += n
+        chunk[i + 1] += h[0]
+        chunk[i + 2] += h[1]
+        chunk[i + 3] += h[2]
 
-    def tpot_or_none(self) -> list[float | None]:
-        return [None if math.isnan(x) else x for x in self.tpot_all]
+    def by_interval(self) -> Iterator[tuple[int, array[int]]]:
+        """``(interval index, [blocks, device hits, host hits, storage hits])`` for every
+        interval some request arrived in (and, with zeros, others of its chunk)."""
+        for c, chunk in self._chunks.items():
+            for j in range(CHUNK):
+                row = chunk[4 * j:4 * j + 4]
+                if any(row):
+                    yield (c << _SHIFT) | j, row
 
-    def waits_by_arrival(self) -> list[tuple[float, float]]:
-        return list(zip(self.arrival, self.wait, strict=True))
+    def tpot_or_none(self) -> Iterator[float | None]:
+        """Each request's TPOT in finish order, None where it has none (one at a time)."""
+        return (None if x != x else x for x in self.tpot_all)
+
+    def queue_growth(self) -> tuple[float, float] | None:
+        """``kvflow.replay.load.queue_growth`` of the ``(arrival, wait)`` pairs, the same
+        floats (sorted by arrival then wait, summed in that order by ``sum``), without a
+        list of pairs."""
+        n = len(self.wait)
+        if n < 8:
+            return None
+        order = np.lexsort((np.frombuffer(self.wait), np.frombuffer(self.arrival)))
+        waits = np.frombuffer(self.wait)[order]
+        q = n // 4
+        first = sum(array("d", waits[:q].tobytes())) / q
+        last = sum(array("d", waits[n - q:].tobytes())) / q
+        return first, last
 
 
 def merged(parts: list[Finished]) -> Finished:
@@ -114,10 +145,13 @@ def merged(parts: list[Finished]) -> Finished:
         out.blocks += p.blocks
         out.out_tokens += p.out_tokens
         out.in_tokens += p.in_tokens
-        for b, row in p.by_interval.items():
-            mine = out.by_interval.setdefault(b, [0, 0, 0, 0])
-            for i in range(4):
-                mine[i] += row[i]
+        for c, chunk in p._chunks.items():
+            mine = out._chunks.get(c)
+            if mine is None:
+                out._chunks[c] = array("q", chunk)
+            else:
+                for i in range(4 * CHUNK):
+                    mine[i] += chunk[i]
     return out
 
 

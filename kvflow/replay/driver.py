@@ -367,7 +367,7 @@ async def _drive(cfg: ReplayConfig, setup: Setup, managers: list[CacheManager],
             inspect(p.runtime.manager, p.runtime)
     if start != 0.0:  # the report counts from the first arrival at 0
         for p in parts:
-            p.sampler.t = [round(t - start, 6) for t in p.sampler.t]
+            p.sampler.t = array("d", [round(t - start, 6) for t in p.sampler.t])
     body = full_report(setup, parts, end - start, (cfg.slo_ttft_s, cfg.slo_tpot_s))
     if cluster is not None:
         body["cluster"] = cluster.report(end - start)
@@ -395,8 +395,8 @@ def wire_engine(cfg: ReplayConfig, setup: Setup, manager: CacheManager, log: Tra
     runtime = Runtime(manager, log, spec.bytes_per_block, loop)
     engine = Engine(manager, runtime, executor,
                     EngineConfig(spec.block_tokens, cfg.max_batch_tokens, cfg.max_running),
-                    # PD's per-instance rows read each engine's finished requests
-                    keep_done=getattr(cfg, "pd", None) is not None)
+                    # (PD's per-instance rows fold them as they leave: kvflow.cluster.pd)
+                    keep_done=False)
     if progress is not None:
         total = len(setup.requests)
         count = 0

@@ -17,7 +17,7 @@ share of requests meeting both (attainment) and their rate (goodput).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvflow.cost import CostModel
@@ -167,12 +167,13 @@ def pd_utilization(load: dict[str, Any], prefill: int, decode: int) -> dict[str,
     return {"prefill": up, "decode": ud, "overloaded": up > 1.0 or ud > 1.0}
 
 
-def slo_section(ttft: Sequence[float], tpot: Sequence[float | None], rejected: int,
+def slo_section(ttft: Sequence[float], tpot: Iterable[float | None], rejected: int,
                 span_s: float, slo_ttft_s: float | None,
                 slo_tpot_s: float | None) -> dict[str, Any] | None:
     """Share of requests meeting both targets (rejected ones miss), and their rate.
 
-    ``tpot[i]`` is None for a request that generated one token (no TPOT to miss).
+    ``tpot[i]`` is None for a request that generated one token (no TPOT to miss);
+    ``tpot`` is read once, beside ``ttft`` (an iterator will do).
     """
     if slo_ttft_s is None and slo_tpot_s is None:
         return None

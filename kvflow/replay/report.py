@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import math
 import time
+from array import array
 from bisect import bisect_left
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from kvflow.engine import Engine
 from kvflow.headroom import AccessLog, headroom_section
 from kvflow.profile import LINKS
 from kvflow.replay.aggregate import Finished, merged
-from kvflow.replay.load import load_section, pd_utilization, queue_growth, slo_section
+from kvflow.replay.load import load_section, pd_utilization, slo_section
 from kvflow.replay.transfer_log import TransferLog, summarize_logs
 from kvflow.runtime import Runtime
 
@@ -132,7 +133,9 @@ class Sampler:
     ``t`` is the end of each sample's span; a span is ``interval`` long except an idle
     stretch stepped over (``IdleSkip``), and the last, partial one. ``ticks`` numbers
     each sample's end on the interval grid (1 for the first interval's), which places
-    the per-interval hit rates (``hit_series``).
+    the per-interval hit rates (``hit_series``). Each series is an array of C numbers,
+    8 bytes a sample (a list held an object a float: 16 instances sampling a long
+    trace every 10 s held megabytes); the report lists them.
     """
 
     LINKS = LINKS
@@ -142,11 +145,11 @@ class Sampler:
         self.engine, self.backend, self.executor = engine, backend, executor
         self.interval = interval
         self.skip = skip
-        self.t: list[float] = []
-        self.ticks: list[int] = []
-        self.queue_len: list[int] = []
-        self.running: list[int] = []
-        self.util: dict[str, list[float]] = {k: [] for k in self.LINKS}
+        self.t: array[float] = array("d")
+        self.ticks: array[int] = array("q")
+        self.queue_len: array[int] = array("q")
+        self.running: array[int] = array("q")
+        self.util: dict[str, array[float]] = {k: array("d") for k in self.LINKS}
         self._last_busy = dict.fromkeys(self.LINKS, 0.0)
         self._last_t = engine.loop.time()
         self.next_sample = self._last_t + interval
@@ -266,7 +269,7 @@ def full_report(setup: Setup, parts: Sequence[Part], sim_time: float,
     }
     body["slo"] = slo_section(ttft, fin.tpot_or_none(), rejected, span, *slo)
     body["queue_s"] = summary(fin.wait)
-    waits = queue_growth(fin.waits_by_arrival())
+    waits = fin.queue_growth()
     body["load"] = {"queue_wait_first_last_s": None if waits is None else list(waits)}
     return body
 
@@ -275,13 +278,13 @@ def _series(parts: Sequence[Part], fin: Finished) -> dict[str, Any]:
     """The time series over all instances: counts summed, link use averaged."""
     first = parts[0].sampler
     if len(parts) == 1:
-        series: dict[str, Any] = {"interval_s": first.interval, "t": first.t}
+        series: dict[str, Any] = {"interval_s": first.interval, "t": first.t.tolist()}
         series.update(hit_series(fin, first))
-        series.update({f"link_util_{k}": v for k, v in first.util.items()})
-        series.update(queue_len=first.queue_len, running=first.running)
+        series.update({f"link_util_{k}": v.tolist() for k, v in first.util.items()})
+        series.update(queue_len=first.queue_len.tolist(), running=first.running.tolist())
         return series
     n = min(len(p.sampler.t) for p in parts)  # a stalled instance stops sampling early
-    t = first.t[:n]
+    t = first.t[:n].tolist()
     k = len(parts)
     series = {"interval_s": first.interval, "t": t}
     series.update(hit_series(fin, first, n))
@@ -325,7 +328,7 @@ def hit_series(fin: Finished, sampler: Sampler,
     hits = np.zeros((3, n))
     blocks = np.zeros(n)
     ticks = sampler.ticks  # [1, 2, ..., n] but where an idle stretch was stepped over
-    for b, row in fin.by_interval.items():  # integer sums: exact in any order
+    for b, row in fin.by_interval():  # integer sums: exact in any order
         i = min(n - 1, bisect_left(ticks, b + 1))  # the sample ending interval b
         blocks[i] += row[0]
         for t in (0, 1, 2):
