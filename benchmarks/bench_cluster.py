@@ -196,10 +196,18 @@ def _memory_child(trace: str, pool_gb: float) -> dict[str, Any]:
     """One 16-instance replay (prefix router, global pool) in this (fresh) process: peak
     RSS, and RSS when the replay ends (the ``inspect`` hook, before the report is built)."""
     at_end: list[float] = []
+    tables: dict[str, float] = {}
 
-    def inspect(_m: Any, _rt: Any) -> None:
+    def inspect(m: Any, _rt: Any) -> None:
         if not at_end:
             at_end.append(_rss_mb())
+            # The pool directory's hash tables: a dict that evicts as it inserts grows its
+            # table to 3x its entries at the first resize after it is full (CPython's
+            # GROWTH_RATE), so they double once the pool turns over: capacity, not requests.
+            d = m.pool.directory
+            tables.update(pool_entries=len(d.entries), pool_held=len(d.held),
+                          pool_tables_mb=(sys.getsizeof(d.entries) + sys.getsizeof(d.held))
+                          / 2**20)
 
     before = _rss_mb()
     t, w = time.process_time(), time.perf_counter()
@@ -207,7 +215,7 @@ def _memory_child(trace: str, pool_gb: float) -> dict[str, Any]:
                    inspect=inspect)
     return {"requests": r["requests"], "cpu_s": time.process_time() - t,
             "wall_s": time.perf_counter() - w, "rss_before_mb": before,
-            "rss_replay_end_mb": at_end[0], "pool_blocks": r["pool"]["blocks"],
+            "rss_replay_end_mb": at_end[0], "pool_blocks": r["pool"]["blocks"], **tables,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
