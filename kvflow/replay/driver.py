@@ -93,10 +93,7 @@ def run_replay(cfg: ReplayConfig,
             cfg = dataclasses.replace(cfg, instances=1)
         setup = resolve(cfg, count=False)  # counted by the replay's own pass
         manager = make_manager(cfg, setup.capacities, setup)
-        # The headroom section's accesses, taken as the replay reads each request
-        # (instead of a second pass over the trace for the report).
-        accesses = new_access_log(setup.capacities.device) \
-            if cfg.headroom and cfg.instances == 1 else None
+        accesses = _headroom_log(cfg, setup)
         with _few_full_collections():
             body = _replay_cache(setup, manager, progress, accesses)
         if inspect is not None:
@@ -111,10 +108,7 @@ def run_replay(cfg: ReplayConfig,
         cfg = dataclasses.replace(cfg, instances=auto_instances(cfg, setup))
     manager = make_manager(cfg, setup.capacities, setup)
     csv_out = None if requests_csv is None else RequestsCsv(requests_csv)
-    # The headroom section's accesses, logged as the replay reads the trace rather
-    # than read again for the report (one instance: a cluster's report has none).
-    accesses = (new_access_log(setup.capacities.device)
-                if cfg.headroom and cfg.instances == 1 and cfg.pd is None else None)
+    accesses = _headroom_log(cfg, setup)
     try:
         with _few_full_collections():
             body = world.run(replay_in_world(cfg, setup, manager, world, progress, inspect,
@@ -132,6 +126,15 @@ def run_replay(cfg: ReplayConfig,
 #: The cycle collector's youngest-generation threshold during a replay (the default
 #: is 700): see ``_few_full_collections``.
 YOUNG_COLLECTION_THRESHOLD = 20_000
+
+
+def _headroom_log(cfg: ReplayConfig, setup: Setup) -> AccessLog | None:
+    """The headroom section's accesses, logged as the replay reads the trace rather
+    than read again for the report; one instance only (a cluster's report has no
+    single-cache optimum)."""
+    if cfg.headroom and cfg.instances == 1 and cfg.pd is None:
+        return new_access_log(setup.capacities.device)
+    return None
 
 
 @contextlib.contextmanager
